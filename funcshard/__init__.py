@@ -1,0 +1,9 @@
+"""funcshard: data-parallel sharding (FSDP, DDP, HSDP) for PyTorch, as pure functions on pytrees."""
+
+from funcshard import testing as testing
+from funcshard.mesh import Mesh as Mesh
+from funcshard.module import call as call
+from funcshard.module import extract as extract
+
+__all__ = ["Mesh", "call", "extract", "testing"]
+__version__ = "0.1.0"

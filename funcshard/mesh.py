@@ -1,0 +1,184 @@
+"""The device mesh: how the data-parallel ranks are laid out as (replicate, shard) axes.
+
+[Note: one mesh shape for DDP, FSDP and HSDP]
+Every mesh has both axes, `replicate` and `shard`; a strategy is only a choice of sizes:
+FSDP is `Mesh(shard=N)` (replicate 1), DDP is `Mesh(replicate=N)` (shard 1), HSDP is
+`Mesh(replicate=R, shard=S)`. The transforms never branch on a strategy name: a size-1 axis
+simply has nothing to communicate. Underneath is a 2-D `DeviceMesh` named
+("replicate", "shard"), built once per shape and reused, since creating process groups costs
+a rendezvous on every rank.
+
+This module only builds groups; every collective goes through `funcshard.collectives`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+AXES = ("replicate", "shard")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A (replicate, shard) layout of the data-parallel ranks, on one device type.
+
+    `Mesh(shard=N)` is FSDP over N ranks, `Mesh(replicate=N)` DDP, and
+    `Mesh(replicate=R, shard=S)` HSDP. The product of the sizes must be the world size.
+    `device=None` picks cuda when the default process group runs NCCL, else cpu.
+    """
+
+    replicate: int = 1
+    shard: int = 1
+    device_type: str | None = None
+    ranks: tuple[int, ...] = ()
+    _device_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        where = f"Mesh(replicate={self.replicate}, shard={self.shard})"
+        for axis in AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or isinstance(size, bool):
+                raise TypeError(f"{where}: {axis} must be an int, got {type(size).__name__}.")
+            if size < 1:
+                raise ValueError(f"{where}: {axis} must be at least 1, got {size}.")
+        if self._device_mesh is not None:
+            return
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"{where}: torch.distributed is not initialized. Launch with torchrun and use "
+                f"Mesh.from_env(), or call torch.distributed.init_process_group(...) first "
+                f"(funcshard.testing.run does this for tests)."
+            )
+        world = dist.get_world_size()
+        if self.replicate * self.shard != world:
+            raise ValueError(
+                f"{where}: the mesh has {self.replicate * self.shard} ranks but the world has "
+                f"{world}. Choose sizes whose product is {world}, e.g. Mesh(shard={world}) for "
+                f"FSDP or Mesh(replicate={world}) for DDP."
+            )
+        device_type = self.device_type or _default_device_type()
+        object.__setattr__(self, "device_type", device_type)
+        object.__setattr__(self, "ranks", tuple(range(world)))
+        object.__setattr__(self, "_device_mesh", _cached_mesh(device_type, self.replicate, world))
+
+    @classmethod
+    def from_env(cls, device_type: str | None = None) -> Mesh:
+        """Shard over every rank that torchrun started, initializing torch.distributed if needed.
+
+        Picks cuda + NCCL (one GPU per local rank) when the process sees a GPU, else cpu + gloo.
+        """
+        if not dist.is_initialized():
+            missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR") if v not in os.environ]
+            if missing:
+                raise RuntimeError(
+                    f"Mesh.from_env: {', '.join(missing)} not set. Launch with "
+                    f"`torchrun --nproc-per-node N script.py`, or build Mesh(shard=N) after "
+                    f"torch.distributed.init_process_group(...)."
+                )
+            use_cuda = device_type != "cpu" and torch.cuda.is_available()
+            if use_cuda and dist.is_nccl_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                dist.init_process_group("nccl")
+            else:
+                dist.init_process_group("gloo")
+        return cls(shard=dist.get_world_size(), device_type=device_type)
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh: DeviceMesh) -> Mesh:
+        """Wrap a DeviceMesh: 2-D as (replicate, shard); 1-D as shard, or replicate if so named."""
+        shape = tuple(device_mesh.mesh.shape)
+        names = device_mesh.mesh_dim_names or ()
+        if len(shape) == 2:
+            replicate, shard = shape
+        elif len(shape) == 1:
+            replicate, shard = (shape[0], 1) if names == ("replicate",) else (1, shape[0])
+        else:
+            raise ValueError(
+                f"Mesh.from_device_mesh: expected a 1-D or 2-D DeviceMesh, got shape {shape}. "
+                f"Flatten the data-parallel dimensions into (replicate, shard) first."
+            )
+        if len(shape) == 1 or names != AXES:
+            device_mesh = DeviceMesh(
+                device_mesh.device_type,
+                device_mesh.mesh.reshape(replicate, shard),
+                mesh_dim_names=AXES,
+            )
+        return cls(
+            replicate=replicate,
+            shard=shard,
+            device_type=device_mesh.device_type,
+            ranks=tuple(device_mesh.mesh.flatten().tolist()),
+            _device_mesh=device_mesh,
+        )
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The underlying 2-D ("replicate", "shard") DeviceMesh."""
+        assert self._device_mesh is not None  # set by __post_init__ or from_device_mesh
+        return self._device_mesh
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the mesh."""
+        return self.replicate * self.shard
+
+    @property
+    def shard_size(self) -> int:
+        """Number of ranks a parameter is sharded over."""
+        return self.shard
+
+    @property
+    def replicate_size(self) -> int:
+        """Number of replicas of each shard."""
+        return self.replicate
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's index along the shard axis: which slice of each parameter it holds."""
+        return self.device_mesh.get_local_rank("shard")
+
+    @property
+    def replicate_rank(self) -> int:
+        """This rank's index along the replicate axis."""
+        return self.device_mesh.get_local_rank("replicate")
+
+    @property
+    def shard_group(self) -> ProcessGroup:
+        """The process group of the ranks that hold the other shards of this rank's params."""
+        return self.device_mesh.get_group("shard")
+
+    @property
+    def replicate_group(self) -> ProcessGroup:
+        """The process group of the ranks that hold the same shard as this rank."""
+        return self.device_mesh.get_group("replicate")
+
+    @property
+    def device(self) -> torch.device:
+        """The device that compute and communication of this rank run on."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type or "cpu")
+
+
+def _default_device_type() -> str:
+    backend = str(dist.get_backend())
+    return "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+
+
+_MESHES: dict[tuple[object, str, int, int], DeviceMesh] = {}
+
+
+def _cached_mesh(device_type: str, replicate: int, world: int) -> DeviceMesh:
+    """Build each mesh shape once per default process group (all ranks do so in step)."""
+    key = (dist.group.WORLD, device_type, replicate, world)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(
+            device_type, (replicate, world // replicate), mesh_dim_names=AXES
+        )
+    return _MESHES[key]

@@ -1,0 +1,100 @@
+"""The worker pool behind funcshard.testing.run: results, errors, hangs, deaths, reuse."""
+
+import functools
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from funcshard import testing
+
+
+def _sum_of_ranks(rank: int) -> tuple[int, float]:
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return rank, t.item()
+
+
+def _pid(rank: int) -> int:
+    return os.getpid()
+
+
+def _raise_on(bad_rank: int, rank: int) -> int:
+    if rank == bad_rank:
+        raise ValueError(f"bad input on rank {rank}")
+    return rank
+
+
+def _rank1_waits_in_barrier(rank: int) -> None:
+    if rank == 1:
+        dist.barrier()
+
+
+def _rank1_exits(rank: int) -> None:
+    if rank == 1:
+        os._exit(7)
+
+
+def _tensor_roundtrip(scale: float, rank: int) -> torch.Tensor:
+    return torch.arange(4.0) * scale + rank
+
+
+def test_run_returns_results_in_rank_order_after_a_real_collective():
+    assert testing.run(_sum_of_ranks, world_size=2) == [(0, 3.0), (1, 3.0)]
+    assert testing.run(_sum_of_ranks, world_size=3) == [(0, 6.0), (1, 6.0), (2, 6.0)]
+
+
+def test_run_passes_bound_arguments_and_returns_tensors_by_value():
+    out = testing.run(functools.partial(_tensor_roundtrip, 2.0), world_size=2)
+    assert torch.equal(out[1], torch.arange(4.0) * 2.0 + 1)
+
+
+def test_pool_is_reused_across_calls_and_the_second_call_is_fast():
+    first = testing.run(_pid, world_size=2)
+    start = time.perf_counter()
+    second = testing.run(_pid, world_size=2)
+    assert time.perf_counter() - start < 0.3
+    assert first == second and len(set(first)) == 2 and os.getpid() not in first
+
+
+def test_a_rank_exception_is_reraised_with_its_type_rank_and_traceback():
+    pids = testing.run(_pid, world_size=2)
+    with pytest.raises(ValueError, match="bad input on rank 1") as info:
+        testing.run(functools.partial(_raise_on, 1), world_size=2)
+    cause = str(info.value.__cause__)
+    assert "raised on rank 1 of 2" in cause and "_raise_on" in cause
+    assert testing.run(_pid, world_size=2) == pids  # the pool survived
+
+
+def test_a_hang_fails_within_the_timeout_naming_the_rank_and_where_it_waited():
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError) as info:
+        testing.run(_rank1_waits_in_barrier, world_size=2, timeout=2)
+    assert time.perf_counter() - start < 10
+    message = str(info.value)
+    assert "ranks [1] did not finish within 2 s (finished: [0])" in message
+    assert "rank 1 was waiting in" in message and "barrier" in message
+    assert testing.run(_sum_of_ranks, world_size=2) == [(0, 3.0), (1, 3.0)]  # fresh pool
+
+
+def test_a_dead_rank_is_reported_with_its_exit_code_and_never_waited_on():
+    start = time.perf_counter()
+    with pytest.raises(testing.RankDied, match="rank 1 died with exit code 7"):
+        testing.run(_rank1_exits, world_size=2, timeout=60)
+    assert time.perf_counter() - start < 10
+    assert testing.run(_sum_of_ranks, world_size=2) == [(0, 3.0), (1, 3.0)]
+
+
+def test_an_unpicklable_function_is_a_clear_type_error():
+    with pytest.raises(TypeError, match="lambdas and nested functions do not pickle"):
+        testing.run(lambda rank: rank, world_size=2)
+
+
+def test_every_rank_runs_single_threaded():
+    assert testing.run(_num_threads, world_size=2) == [1, 1]
+
+
+def _num_threads(rank: int) -> int:
+    return torch.get_num_threads()
