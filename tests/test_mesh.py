@@ -1,6 +1,10 @@
 """Mesh: sizes, groups and ranks on real gloo process groups, and its errors."""
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -76,7 +80,7 @@ def test_from_device_mesh_reads_one_or_two_axes():
 
 def test_mesh_needs_an_initialized_process_group():
     assert not dist.is_initialized()
-    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialized"):
         fs.Mesh(shard=2)
 
 
@@ -97,3 +101,13 @@ def test_from_env_outside_torchrun_says_how_to_launch(monkeypatch):
 def test_bad_sizes_are_rejected_before_any_communication(kwargs, error, message):
     with pytest.raises(error, match=message):
         fs.Mesh(**kwargs)
+
+
+def test_from_env_under_torchrun_shards_over_all_ranks():
+    script = Path(__file__).parent / "scripts" / "torchrun_mesh.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0: shard 0/2 cpu sum 3" in out.stdout
+    assert "rank 1: shard 1/2 cpu sum 3" in out.stdout

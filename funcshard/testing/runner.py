@@ -21,6 +21,7 @@ the pool is killed; the next call starts a fresh one. A rank that raises leaves 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import functools
 import multiprocessing as mp
@@ -39,6 +40,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from funcshard.mesh import shutdown
 
 T = TypeVar("T")
 
@@ -276,7 +279,8 @@ def _worker_main(
         except EOFError:
             break
         conn.send_bytes(_run_task(rank, payload))
-    dist.destroy_process_group()
+    with contextlib.suppress(RuntimeError):  # a rank already gone: nothing to leave cleanly
+        shutdown(timedelta(seconds=5))
 
 
 def _run_task(rank: int, payload: bytes) -> bytes:
