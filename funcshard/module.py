@@ -14,12 +14,13 @@ clones are what `mutable=True` returns as the new buffers.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from funcshard.tree import format_names
+from funcshard.tree import format_names, join_fqn
 
 Params = dict[str, Tensor]
 
@@ -57,26 +58,72 @@ def call(
             f"funcshard.call: params must be a dict FQN -> Tensor (from funcshard.extract), "
             f"got {type(params).__name__}."
         )
-    _check_keys(model, params, "parameters")
+    param_slots, buffer_slots = _slots(model)
+    _check_keys(model, params, param_slots, "parameters")
     if buffers is None:
-        buffers = dict(model.named_buffers())
+        buffers = {name: model.get_buffer(name) for name in buffer_slots.firsts}
     else:
-        _check_keys(model, buffers, "buffers")
+        _check_keys(model, buffers, buffer_slots, "buffers")
     new_buffers = {name: b.clone() for name, b in buffers.items()}
-    out = _functional_call(model, dict(params), new_buffers, method, args, kwargs)
+    tensors = {**param_slots.feed(params), **buffer_slots.feed(new_buffers)}
+    out = _functional_call(model, tensors, method, args, kwargs)
     return (out, new_buffers) if mutable else out
 
 
+@dataclass(frozen=True)
+class _Slots:
+    """Where a module's tensors of one kind (parameters or buffers) live.
+
+    See [Note: tied tensors] for why aliases are fed by hand.
+    """
+
+    firsts: tuple[str, ...]  # the first FQN of each distinct tensor, in registration order
+    aliases: dict[str, str]  # every other FQN of a shared tensor -> its first FQN
+    fed: tuple[str, ...]  # the aliases that are separate attributes, fed with their first's value
+
+    def feed(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The given tensors plus, for each separately stored alias, its first FQN's tensor."""
+        return {**tensors, **{alias: tensors[self.aliases[alias]] for alias in self.fed}}
+
+
+# [Note: tied tensors]
+# functional_call(tie_weights=True) corrupts a module registered under two names (the same
+# nn.Linear twice in a Sequential): its restore step leaves the caller's tensor in place of the
+# module's Parameter (torch 2.13). So funcshard ties by hand with tie_weights=False: a shared
+# tensor is fed once per distinct (module, attribute) slot that holds it, and a slot reached
+# again through a second path to the same module is not fed twice.
+def _slots(model: nn.Module) -> tuple[_Slots, _Slots]:
+    """Find the first FQN and every alias of each parameter and buffer of the model."""
+    kinds: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
+        "parameters": ([], {}, []),
+        "buffers": ([], {}, []),
+    }
+    first: dict[int, str] = {}
+    seen: set[tuple[int, str]] = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        local = [("parameters", n, t) for n, t in module.named_parameters(recurse=False)]
+        local += [("buffers", n, t) for n, t in module.named_buffers(recurse=False)]
+        for kind, attr, tensor in local:
+            if (id(module), attr) in seen:
+                continue  # the same module reached through a second path
+            seen.add((id(module), attr))
+            name = join_fqn(prefix, attr)
+            firsts, aliases, fed = kinds[kind]
+            owner = first.setdefault(id(tensor), name)
+            if owner == name:
+                firsts.append(name)
+            else:
+                aliases[name] = owner
+                fed.append(name)
+    param_slots, buffer_slots = (_Slots(tuple(f), a, tuple(fed)) for f, a, fed in kinds.values())
+    return param_slots, buffer_slots
+
+
 def _functional_call(
-    model: nn.Module,
-    params: Params,
-    buffers: Params,
-    method: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    model: nn.Module, tensors: Params, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     if method == "forward":
-        return functional_call(model, (params, buffers), args, kwargs, strict=False)
+        return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
     if not callable(getattr(model, method, None)):
         raise ValueError(
             f"funcshard.call: {type(model).__name__} has no method {method!r}. "
@@ -84,8 +131,8 @@ def _functional_call(
         )
     # functional_call only calls forward; a one-child wrapper forwards to the method instead.
     wrapper = _MethodCall(model, method)
-    prefixed = {f"inner.{k}": v for tensors in (params, buffers) for k, v in tensors.items()}
-    return functional_call(wrapper, prefixed, args, kwargs, strict=False)
+    prefixed = {f"inner.{k}": v for k, v in tensors.items()}
+    return functional_call(wrapper, prefixed, args, kwargs, tie_weights=False, strict=False)
 
 
 class _MethodCall(nn.Module):
@@ -100,19 +147,16 @@ class _MethodCall(nn.Module):
         return getattr(self.inner, self.method)(*args, **kwargs)
 
 
-def _check_keys(model: nn.Module, given: Mapping[str, Tensor], kind: str) -> None:
+def _check_keys(model: nn.Module, given: Mapping[str, Tensor], slots: _Slots, kind: str) -> None:
     """Raise naming the FQNs that `given` misses or adds against the model's own."""
-    named = model.named_parameters if kind == "parameters" else model.named_buffers
-    expected = [name for name, _ in named()]
-    if len(given) == len(expected) and all(name in given for name in expected):
+    if len(given) == len(slots.firsts) and all(name in given for name in slots.firsts):
         return
-    missing = [name for name in expected if name not in given]
-    unexpected = [name for name in given if name not in set(expected)]
-    aliases = _aliases(named(remove_duplicate=False))
+    missing = [name for name in slots.firsts if name not in given]
+    unexpected = [name for name in given if name not in set(slots.firsts)]
     hints = [
-        f"{alias!r} is tied to {aliases[alias]!r}; pass it once, as {aliases[alias]!r}"
+        f"{alias!r} is tied to {slots.aliases[alias]!r}; pass it once, as {slots.aliases[alias]!r}"
         for alias in unexpected
-        if alias in aliases
+        if alias in slots.aliases
     ]
     parts = [
         f"missing {format_names(missing)}" if missing else "",
@@ -124,14 +168,3 @@ def _check_keys(model: nn.Module, given: Mapping[str, Tensor], kind: str) -> Non
         + (". ".join(hints) + ". " if hints else "")
         + "Build the dict with funcshard.extract(model) so its keys are the model's FQNs."
     )
-
-
-def _aliases(named: Any) -> dict[str, str]:
-    """Map each secondary FQN of a shared tensor to its first FQN."""
-    first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, tensor in named:
-        owner = first.setdefault(id(tensor), name)
-        if owner != name:
-            aliases[name] = owner
-    return aliases

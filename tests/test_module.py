@@ -146,3 +146,22 @@ def test_extract_of_a_meta_model_gives_meta_tensors_and_call_runs_on_meta():
     assert all(t.is_meta for t in (*params.values(), *buffers.values()))
     out = fs.call(model, params, torch.empty(2, 3, 8, 8, device="meta"), buffers=buffers)
     assert out.is_meta and out.shape == (2, 10)
+
+
+def test_call_leaves_a_module_registered_twice_intact():
+    """Regression: functional_call(tie_weights=True) left the caller's tensor in place of the
+    Parameter of a module reached under two names, corrupting the user's model."""
+    linear = nn.Linear(3, 3)
+    model = nn.Sequential(linear, nn.Tanh(), linear)
+    params, _ = fs.extract(model)
+    assert list(params) == ["0.weight", "0.bias"]
+    new = {k: torch.randn_like(v) for k, v in params.items()}
+    x = torch.randn(2, 3)
+    out = fs.call(model, new, x)
+    assert isinstance(linear.weight, nn.Parameter) and linear.weight is not new["0.weight"]
+    expected = torch.nn.functional.linear(
+        torch.tanh(torch.nn.functional.linear(x, new["0.weight"], new["0.bias"])),
+        new["0.weight"],
+        new["0.bias"],
+    )
+    assert torch.equal(out, expected)
