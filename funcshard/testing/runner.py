@@ -228,6 +228,11 @@ def _dumps_task(fn: Callable[..., Any]) -> bytes:
     inner = fn.func if isinstance(fn, functools.partial) else fn
     main = sys.modules["__main__"]
     main_path = getattr(main, "__file__", None) if inner.__module__ == "__main__" else None
+    if inner.__module__ == "__main__" and main_path is None:
+        raise TypeError(
+            f"testing.run: {_name(fn)} is defined in an interactive session, where the ranks "
+            f"cannot import it. Define it in a .py file and import it from there."
+        )
     try:
         return pickle.dumps((list(sys.path), main_path, pickle.dumps(fn)))
     except (pickle.PicklingError, AttributeError, TypeError) as e:
