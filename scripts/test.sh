@@ -30,5 +30,5 @@ if [ "$have_torch" != yes ]; then
 fi
 "$py" -m pip install -q -e ".[test]"
 
-"$py" -m ruff check funcshard tests property_tests benchmarks examples
+"$py" -m ruff check .
 "$py" -m pytest "$@"
