@@ -9,11 +9,13 @@ seed through a `torch.Generator`, never zeros.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
+from funcshard import policy
 from funcshard.mesh import Mesh
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -205,3 +207,51 @@ class RandomTree(nn.Module):
         scale = Scale(w)
         self._scales.append(scale.weight)
         return scale
+
+
+@dataclass(frozen=True)
+class PlanCase:
+    """A random module tree and the arguments to plan it with; ignored entries are indices
+    into the built model's submodules (resolved by `kwargs`)."""
+
+    spec: ModuleSpec
+    policy: Any
+    keep_fp32: tuple[type[nn.Module], ...]
+    ignored: tuple[int, ...]
+
+    def kwargs(self, model: nn.Module) -> dict[str, Any]:
+        """Keyword arguments for `funcshard.plan(model, **kwargs)`; frozen mixing only warns."""
+        names = [name for name, _ in model.named_modules() if name]
+        ignored = sorted({names[i % len(names)] for i in self.ignored}) if names else []
+        # An ignored module inside another ignored one is redundant but legal; keep both.
+        return {
+            "policy": self.policy,
+            "keep_fp32": self.keep_fp32,
+            "ignored": ignored,
+            "frozen": "warn",
+        }
+
+
+_POLICY_CLASSES = (nn.Linear, nn.LayerNorm, nn.Sequential, Stack, Residual, Scale)
+
+
+def _policies() -> st.SearchStrategy:
+    classes = st.lists(st.sampled_from(_POLICY_CLASSES), min_size=1, max_size=3)
+    single = st.one_of(
+        classes.map(policy.module_classes),
+        st.sampled_from([1, 8, 30, 100]).map(policy.size),
+    )
+    return st.one_of(
+        st.none(), single, st.lists(single, min_size=1, max_size=2).map(lambda p: policy.any_of(*p))
+    )
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> PlanCase:
+    """Random module trees with random policies, keep_fp32 classes and ignored submodules."""
+    return PlanCase(
+        spec=draw(modules()),
+        policy=draw(_policies()),
+        keep_fp32=tuple(draw(st.lists(st.sampled_from((nn.LayerNorm, Scale)), max_size=1))),
+        ignored=tuple(draw(st.lists(st.integers(0, 50), max_size=2))),
+    )
