@@ -62,7 +62,8 @@ class AnyOf:
 
 def module_classes(classes: Iterable[type[nn.Module]]) -> ModuleClasses:
     """A unit for every module of these classes, e.g. `module_classes({Block})`."""
-    return ModuleClasses(tuple(sorted(set(classes), key=lambda c: (c.__module__, c.__qualname__))))
+    ordered = sorted(set(classes), key=lambda c: getattr(c, "__qualname__", repr(c)))
+    return ModuleClasses(tuple(ordered))
 
 
 def size(min_numel: int) -> Size:

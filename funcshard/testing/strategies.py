@@ -241,9 +241,8 @@ def _policies() -> st.SearchStrategy:
         classes.map(policy.module_classes),
         st.sampled_from([1, 8, 30, 100]).map(policy.size),
     )
-    return st.one_of(
-        st.none(), single, st.lists(single, min_size=1, max_size=2).map(lambda p: policy.any_of(*p))
-    )
+    several = st.lists(single, min_size=2, max_size=3).map(lambda p: policy.any_of(*p))
+    return st.one_of(single, several, st.none())
 
 
 @st.composite
@@ -252,6 +251,6 @@ def plans(draw: st.DrawFn) -> PlanCase:
     return PlanCase(
         spec=draw(modules()),
         policy=draw(_policies()),
-        keep_fp32=tuple(draw(st.lists(st.sampled_from((nn.LayerNorm, Scale)), max_size=1))),
-        ignored=tuple(draw(st.lists(st.integers(0, 50), max_size=2))),
+        keep_fp32=draw(st.sampled_from([(nn.LayerNorm, Scale), (nn.LayerNorm,), (Scale,), ()])),
+        ignored=draw(st.sampled_from([(), (), ()]) | st.tuples(st.integers(0, 50))),
     )
