@@ -2,6 +2,8 @@
 
 from funcshard import policy as policy
 from funcshard import testing as testing
+from funcshard.layout import FlatLayout as FlatLayout
+from funcshard.layout import Layout as Layout
 from funcshard.mesh import Mesh as Mesh
 from funcshard.mesh import shutdown as shutdown
 from funcshard.module import call as call
@@ -9,16 +11,34 @@ from funcshard.module import extract as extract
 from funcshard.plan import Plan as Plan
 from funcshard.plan import Unit as Unit
 from funcshard.plan import plan as plan
+from funcshard.precision import MixedPrecision as MixedPrecision
+from funcshard.state import ShardedGrads as ShardedGrads
+from funcshard.state import ShardedState as ShardedState
+from funcshard.transforms import reduce as reduce
+from funcshard.transforms import reshard as reshard
+from funcshard.transforms import shard as shard
+from funcshard.transforms import unshard as unshard
+from funcshard.transforms import unshard_async as unshard_async
 
 __all__ = [
+    "FlatLayout",
+    "Layout",
     "Mesh",
+    "MixedPrecision",
     "Plan",
+    "ShardedGrads",
+    "ShardedState",
     "Unit",
     "call",
     "extract",
     "plan",
     "policy",
+    "reduce",
+    "reshard",
+    "shard",
     "shutdown",
     "testing",
+    "unshard",
+    "unshard_async",
 ]
 __version__ = "0.1.0"

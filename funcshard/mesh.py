@@ -160,6 +160,13 @@ class Mesh:
         return self.device_mesh.get_group("replicate")
 
     @property
+    def group(self) -> ProcessGroup:
+        """The process group of every rank in the mesh (for whole-mesh checks)."""
+        if self.size == dist.get_world_size():
+            return dist.group.WORLD
+        return self.device_mesh._flatten().get_group()
+
+    @property
     def device(self) -> torch.device:
         """The device that compute and communication of this rank run on."""
         if self.device_type == "cuda":

@@ -254,3 +254,18 @@ def plans(draw: st.DrawFn) -> PlanCase:
         keep_fp32=draw(st.sampled_from([(nn.LayerNorm, Scale), (nn.LayerNorm,), (Scale,), ()])),
         ignored=draw(st.sampled_from([(), (), ()]) | st.tuples(st.integers(0, 50))),
     )
+
+
+class ParamBag(nn.Module):
+    """A module holding given tensors as parameters at their FQNs (nested as needed)."""
+
+    def __init__(self, params: dict[str, Tensor]) -> None:
+        super().__init__()
+        for fqn, tensor in params.items():
+            *path, name = fqn.split(".")
+            owner: nn.Module = self
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = getattr(owner, part)
+            owner.register_parameter(name, nn.Parameter(tensor.clone()))

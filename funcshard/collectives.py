@@ -1,0 +1,97 @@
+"""Every call funcshard makes into torch.distributed's collectives.
+
+[Note: one collective path for eager and traced steps]
+Collectives go through torch's functional collective ops (`torch.ops._c10d_functional.*`,
+the ops behind `all_gather_single` and `reduce_scatter_single`), called directly rather than
+through the wrappers that return AsyncCollectiveTensor subclasses: eagerly on gloo or NCCL an
+op returns at once with the collective in flight and `wait_tensor` blocks on it, so a
+`Pending` is an asynchronous handle; under `make_fx` or torch.compile the same calls become
+graph nodes. Callers issue a collective early and `wait()` where they need its result, and
+never learn which of the two is running.
+
+A size-1 group communicates nothing: gathering or reducing over it returns the input, which
+is how one code path serves FSDP (shard axis > 1), DDP (shard axis 1) and HSDP.
+
+Not yet here: the CUDA stream path (dedicated copy-in, all-gather, reduce-scatter and
+all-reduce streams ordered by events) awaits a session with a GPU to run it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+_ops = torch.ops._c10d_functional
+
+
+class Pending:
+    """A collective in flight; `wait()` returns its result (and is cheap to call again)."""
+
+    __slots__ = ("_done", "_tensor")
+
+    def __init__(self, tensor: Tensor, done: bool = False) -> None:
+        self._tensor = tensor
+        self._done = done
+
+    def wait(self) -> Tensor:
+        if not self._done:
+            self._tensor = _ops.wait_tensor(self._tensor)
+            self._done = True
+        return self._tensor
+
+
+def all_gather(shard: Tensor, group: ProcessGroup) -> Pending:
+    """Concatenate every rank's 1-D `shard` in rank order: (numel * group size,)."""
+    if group.size() == 1:
+        return Pending(shard, done=True)
+    return Pending(_ops.all_gather_into_tensor(shard, group.size(), group.group_name))
+
+
+def reduce_scatter(flat: Tensor, group: ProcessGroup, op: str = "avg") -> Pending:
+    """Reduce 1-D `flat` over the group (op "avg" or "sum"); rank r keeps chunk r."""
+    if group.size() == 1:
+        return Pending(flat, done=True)
+    return Pending(_ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name))
+
+
+def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "avg") -> Pending:
+    """Reduce `tensor` over the group (op "avg" or "sum"); every rank gets the result."""
+    if group.size() == 1:
+        return Pending(tensor, done=True)
+    return Pending(_ops.all_reduce(tensor, op, group.group_name))
+
+
+def broadcast(tensor: Tensor, group: ProcessGroup, src_rank: int) -> Tensor:
+    """Return `tensor` as held by global rank `src_rank` (the input is not written)."""
+    if group.size() == 1:
+        return tensor
+    out = tensor.detach().clone()
+    dist.broadcast(out, src=src_rank, group=group)
+    return out
+
+
+def all_gather_ints(values: list[int], group: ProcessGroup) -> list[list[int]]:
+    """Every rank's list of int64 values (all lists the same length), in rank order."""
+    local = torch.tensor(values, dtype=torch.int64, device=_device_of(group))
+    gathered = all_gather(local, group).wait()
+    return gathered.view(group.size(), len(values)).tolist()
+
+
+def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (for error reports, not the hot path)."""
+    out: list[Any] = [None] * group.size()
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _device_of(group: ProcessGroup) -> torch.device:
+    backend = str(dist.get_backend(group))
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if "nccl" in backend
+        else torch.device("cpu")
+    )

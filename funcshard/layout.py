@@ -1,0 +1,121 @@
+"""Layout: where every parameter lives in the flat, evenly sharded buffers of a state.
+
+[Note: flat buffers]
+Each unit of a plan gets one flat 1-D buffer per dtype it holds (so a bf16 weight and an fp32
+bias may share a unit, which FSDP2 refuses). A buffer concatenates its parameters, flattened,
+in plan order, then zero padding up to a multiple of the shard size, so every rank holds
+exactly `shard_numel` elements and collectives need no per-rank sizes. Rank r of the shard
+axis holds elements [r * shard_numel, (r + 1) * shard_numel). A tensor smaller than the
+shard size still gives every rank one element (mostly padding).
+
+Everything here is static and hashable: it is the aux data of a ShardedState's pytree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from funcshard.mesh import Mesh
+from funcshard.plan import Plan
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """One flat buffer: the parameters of one dtype in one unit."""
+
+    unit: str  # the unit's module FQN; "" is the root
+    dtype: torch.dtype
+    fqns: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    shard_size: int
+    keep_fp32: bool = False
+    frozen: bool = False
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Start of each parameter in the flat buffer."""
+        starts, total = [], 0
+        for n in self.numels:
+            starts.append(total)
+            total += n
+        return tuple(starts)
+
+    @property
+    def numel(self) -> int:
+        """Elements of real data, without padding."""
+        return sum(self.numels)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements each rank holds: ceil(numel / shard_size)."""
+        return -(-self.numel // self.shard_size)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.shard_size
+
+    @property
+    def name(self) -> str:
+        """How errors and tables name this buffer: `unit[dtype]`."""
+        return f"{self.unit or '<root>'}[{str(self.dtype).removeprefix('torch.')}]"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The flat buffers of a sharded state, in plan order, and the mesh they live on."""
+
+    flats: tuple[FlatLayout, ...]
+    replicated: tuple[str, ...]  # parameters kept whole on every rank (the plan's ignored)
+    mesh: Mesh
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        return tuple(f for flat in self.flats for f in flat.fqns)
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        """Unit names in plan order, each once."""
+        return tuple(dict.fromkeys(flat.unit for flat in self.flats))
+
+    def flats_of(self, units: tuple[str, ...] | None) -> tuple[int, ...]:
+        """Indices of the flat buffers that belong to `units` (all when None)."""
+        if units is None:
+            return tuple(range(len(self.flats)))
+        unknown = [u for u in units if u not in self.units]
+        if unknown:
+            raise ValueError(
+                f"funcshard: units {unknown} are not in this state; its units are "
+                f"{list(self.units)} ('' is the root)."
+            )
+        return tuple(i for i, flat in enumerate(self.flats) if flat.unit in units)
+
+
+def layout_of(plan: Plan, mesh: Mesh) -> Layout:
+    """Lay out a plan's units as flat buffers sharded over the mesh's shard axis."""
+    flats = []
+    for unit in plan.units:
+        for dtype in unit.dtypes:
+            members = [
+                (fqn, shape)
+                for fqn, shape, d in zip(unit.fqns, unit.shapes, unit.param_dtypes, strict=True)
+                if d == dtype
+            ]
+            flats.append(
+                FlatLayout(
+                    unit=unit.name,
+                    dtype=dtype,
+                    fqns=tuple(f for f, _ in members),
+                    shapes=tuple(s for _, s in members),
+                    shard_size=mesh.shard_size,
+                    keep_fp32=unit.keep_fp32,
+                    frozen=unit.frozen,
+                )
+            )
+    return Layout(flats=tuple(flats), replicated=plan.ignored, mesh=mesh)

@@ -1,0 +1,38 @@
+"""Mixed precision: the dtypes parameters are gathered in, gradients reduced in, outputs cast to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes for one training step; `None` keeps each parameter's own dtype.
+
+    The sharded master copy and the optimizer state always stay in the original dtype:
+    `param_dtype` applies to the gathered copy, `reduce_dtype` to the gradient reduction, and
+    `output_dtype` to the model's floating-point outputs. `cast_inputs` casts floating-point
+    inputs to `param_dtype` before the model runs.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and not (
+                isinstance(dtype, torch.dtype) and dtype.is_floating_point
+            ):
+                raise TypeError(
+                    f"MixedPrecision: {name} must be a floating-point torch.dtype or None, "
+                    f"got {dtype!r}."
+                )
+
+    def reduce_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype gradients of a parameter of `param_dtype` are reduced in."""
+        return self.reduce_dtype or self.param_dtype or param_dtype

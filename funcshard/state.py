@@ -1,0 +1,80 @@
+"""ShardedState and ShardedGrads: the immutable records the transforms pass around.
+
+Both are frozen dataclasses registered as pytrees (see `funcshard.tree.register_record`): the
+tensors are children, the layout and settings are static aux data, so a tree map over a state
+maps over its local shards (and its replicated parameters and buffers), and torch.func and
+torch.compile see every tensor as an input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from funcshard.layout import Layout
+from funcshard.precision import MixedPrecision
+from funcshard.tree import register_record
+
+
+@dataclass(frozen=True, eq=False)
+class ShardedState:
+    """A model's parameters sharded over a mesh, plus its replicated tensors.
+
+    `shards[i]` is this rank's slice of `layout.flats[i]`, 1-D with `shard_numel` elements.
+    `replicated` holds the plan's ignored parameters whole, and `buffers` the module's buffers
+    (broadcast from the mesh's first rank). Build one with `funcshard.shard`.
+    """
+
+    shards: tuple[Tensor, ...]
+    replicated: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+    layout: Layout
+    mp: MixedPrecision | None = None
+    reshard_after_forward: bool | int = True
+    offload: bool = False
+
+    def replace(self, **changes: object) -> ShardedState:
+        """A copy with some fields changed (the record itself never changes)."""
+        return dataclasses.replace(self, **changes)
+
+    def __repr__(self) -> str:
+        mesh = self.layout.mesh
+        lines = [
+            f"  {flat.name}: {len(flat.fqns)} params, {flat.numel:,} numel, "
+            f"shard ({flat.shard_numel:,},){' frozen' if flat.frozen else ''}"
+            for flat in self.layout.flats
+        ]
+        if self.replicated:
+            lines.append(f"  replicated: {len(self.replicated)} params")
+        if self.buffers:
+            lines.append(f"  buffers: {len(self.buffers)}")
+        header = (
+            f"ShardedState(mesh replicate={mesh.replicate} x shard={mesh.shard}, "
+            f"shard rank {mesh.shard_rank}, {len(self.layout.units)} units"
+        )
+        return header + "\n" + "\n".join(lines) + "\n)"
+
+
+@dataclass(frozen=True, eq=False)
+class ShardedGrads:
+    """Gradients shaped like a state's shards: `shards[i]` matches `layout.flats[i]`.
+
+    Frozen units have `None` (they are never reduced); padding is always zero.
+    """
+
+    shards: tuple[Tensor | None, ...]
+    layout: Layout
+
+    def __repr__(self) -> str:
+        kept = sum(s is not None for s in self.shards)
+        return f"ShardedGrads({kept} of {len(self.shards)} flat buffers)"
+
+
+register_record(
+    ShardedState,
+    data_fields=("shards", "replicated", "buffers"),
+    meta_fields=("layout", "mp", "reshard_after_forward", "offload"),
+)
+register_record(ShardedGrads, data_fields=("shards",), meta_fields=("layout",))

@@ -1,0 +1,320 @@
+"""The pure transforms between a model, its full parameters and its sharded state.
+
+`shard` builds a ShardedState from a module, `unshard` gathers full parameters, `reshard`
+goes back, and `reduce` turns every rank's full gradients into sharded mean gradients. None
+of them writes its inputs. See [Note: flat buffers] for the layout they share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from funcshard import collectives
+from funcshard.layout import FlatLayout, Layout, layout_of
+from funcshard.materialize import local_slice, materialize
+from funcshard.mesh import Mesh
+from funcshard.plan import Plan
+from funcshard.precision import MixedPrecision
+from funcshard.state import ShardedGrads, ShardedState
+from funcshard.tree import format_names
+
+
+def shard(
+    model: nn.Module,
+    plan: Plan,
+    mesh: Mesh,
+    mp: MixedPrecision | None = None,
+    reshard_after_forward: bool | int = True,
+    offload: bool = False,
+    seed: int = 0,
+) -> ShardedState:
+    """Shard `model`'s parameters over `mesh` as `plan` groups them; the model is not changed.
+
+    A model on the meta device is initialized straight into local shards under `seed` (see
+    [Note: initializing from the meta device]). `reshard_after_forward` is True, False or an
+    int k that divides the shard size. `offload=True` keeps shards in CPU memory; on a CPU
+    mesh that is where they are anyway.
+
+    Communicates: one all-gather of a plan fingerprint over the mesh (every rank raises,
+    naming the first differing parameter, if the ranks disagree), then a broadcast of each
+    buffer from the mesh's first rank.
+    """
+    _check_reshard_after_forward(reshard_after_forward, mesh)
+    if mp is not None and not isinstance(mp, MixedPrecision):
+        raise TypeError(f"funcshard.shard: mp must be a MixedPrecision or None, got {mp!r}.")
+    _check_same_model_everywhere(model, plan, mesh)
+    layout = layout_of(plan, mesh)
+    params = dict(model.named_parameters())
+    if any(p.is_meta for p in params.values()) or any(b.is_meta for b in model.buffers()):
+        shards, replicated, buffers = materialize(model, layout, mesh.shard_rank, seed, mesh.device)
+    else:
+        shards = [
+            local_slice([params[f].to(mesh.device) for f in flat.fqns], flat, mesh.shard_rank)
+            for flat in layout.flats
+        ]
+        replicated = {f: params[f].detach().to(mesh.device, copy=True) for f in layout.replicated}
+        buffers = {n: b.detach().to(mesh.device, copy=True) for n, b in model.named_buffers()}
+    buffers = {
+        name: collectives.broadcast(b, mesh.group, src_rank=mesh.ranks[0])
+        for name, b in buffers.items()
+    }
+    return ShardedState(
+        shards=tuple(shards),
+        replicated=replicated,
+        buffers=buffers,
+        layout=layout,
+        mp=mp,
+        reshard_after_forward=reshard_after_forward,
+        offload=offload,
+    )
+
+
+def unshard(state: ShardedState, units: Sequence[str] | None = None) -> dict[str, Tensor]:
+    """Gather full parameters (all of them, or those of `units`) in their original dtypes.
+
+    Communicates: one all-gather over the shard axis per flat buffer (none when the shard axis
+    has size 1, where the result shares memory with the state). Law: inverts `shard`.
+    """
+    return unshard_async(state, units).wait()
+
+
+@dataclass(frozen=True)
+class UnshardHandle:
+    """All-gathers in flight; `wait()` returns the full parameters by FQN."""
+
+    pending: tuple[tuple[FlatLayout, collectives.Pending], ...]
+    replicated: dict[str, Tensor]
+
+    def wait(self) -> dict[str, Tensor]:
+        full = {}
+        for flat, pending in self.pending:
+            full.update(_views(pending.wait(), flat))
+        full.update(self.replicated)
+        return full
+
+
+def unshard_async(state: ShardedState, units: Sequence[str] | None = None) -> UnshardHandle:
+    """Start `unshard`: issue every all-gather now and return a handle to wait on."""
+    layout = state.layout
+    indices = layout.flats_of(None if units is None else tuple(units))
+    group = layout.mesh.shard_group
+    device = layout.mesh.device
+    pending = tuple(
+        (layout.flats[i], collectives.all_gather(state.shards[i].to(device), group))
+        for i in indices
+    )
+    return UnshardHandle(pending, dict(state.replicated) if units is None else {})
+
+
+def reshard(state: ShardedState, full: Mapping[str, Tensor]) -> ShardedState:
+    """A new state holding `full` (FQN -> full tensor, as `unshard` returns) in `state`'s layout.
+
+    Communicates: nothing (each rank slices its own part). Law: `reshard(s, unshard(s))`
+    equals `s`.
+    """
+    layout = state.layout
+    _check_full(full, layout, state)
+    shards = tuple(
+        local_slice([full[f] for f in flat.fqns], flat, layout.mesh.shard_rank).to(s.device)
+        for flat, s in zip(layout.flats, state.shards, strict=True)
+    )
+    replicated = {f: full[f].detach().clone() for f in layout.replicated}
+    return state.replace(shards=shards, replicated=replicated)
+
+
+def reduce(
+    state: ShardedState,
+    full_grads: Mapping[str, Tensor | None],
+    divide_factor: float | None = None,
+    all_reduce: bool = True,
+) -> ShardedGrads:
+    """Reduce every rank's full gradients into this rank's shard of their mean.
+
+    Gradients are reduced in the mixed-precision reduce dtype and returned in each parameter's
+    dtype. A missing or None gradient counts as zero; frozen units and replicated (ignored)
+    parameters are not reduced. `divide_factor` replaces the mean's divisor (sum, then
+    divide). On an HSDP mesh `all_reduce=False` skips the all-reduce across replicas, for
+    accumulating first.
+
+    Communicates: one reduce-scatter over the shard axis per trainable flat buffer, then one
+    all-reduce over the replicate axis. Law: equals the ranks' mean full gradient, sliced.
+    """
+    layout = state.layout
+    _check_grads(full_grads, layout)
+    mesh = layout.mesh
+    op = "avg" if divide_factor is None else "sum"
+    scattered: list[collectives.Pending | None] = []
+    for flat in layout.flats:
+        if flat.frozen:
+            scattered.append(None)
+            continue
+        dtype = _reduce_dtype(state.mp, flat)
+        padded = _padded_flat([full_grads.get(f) for f in flat.fqns], flat, dtype, mesh.device)
+        scattered.append(collectives.reduce_scatter(padded, mesh.shard_group, op))
+    replicated_reduce = [
+        None
+        if p is None or not all_reduce
+        else collectives.all_reduce(p.wait(), mesh.replicate_group, op)
+        for p in scattered
+    ]
+    shards = []
+    for flat, p, r in zip(layout.flats, scattered, replicated_reduce, strict=True):
+        if p is None:
+            shards.append(None)
+            continue
+        grad = (r or p).wait()
+        if divide_factor is not None:
+            grad = grad / divide_factor
+        shards.append(grad.to(flat.dtype))
+    return ShardedGrads(shards=tuple(shards), layout=layout)
+
+
+def _views(flat_full: Tensor, flat: FlatLayout) -> dict[str, Tensor]:
+    """Split a gathered (padded_numel,) buffer into its parameters' full tensors."""
+    pieces = flat_full[: flat.numel].split(flat.numels)
+    return {f: p.view(s) for f, p, s in zip(flat.fqns, pieces, flat.shapes, strict=True)}
+
+
+def _reduce_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype:
+    if mp is None or flat.keep_fp32:
+        return flat.dtype
+    return mp.reduce_dtype_for(flat.dtype)
+
+
+def _padded_flat(
+    grads: list[Tensor | None], flat: FlatLayout, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """Concatenate gradients (zeros where None) and zero padding: (padded_numel,)."""
+    pieces = [
+        torch.zeros(n, dtype=dtype, device=device) if g is None else g.reshape(-1).to(device, dtype)
+        for g, n in zip(grads, flat.numels, strict=True)
+    ]
+    pieces.append(torch.zeros(flat.padded_numel - flat.numel, dtype=dtype, device=device))
+    return torch.cat(pieces)
+
+
+def _check_reshard_after_forward(value: bool | int, mesh: Mesh) -> None:
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise TypeError(
+            f"funcshard.shard: reshard_after_forward must be True, False or an int, "
+            f"got {type(value).__name__}."
+        )
+    if value < 1 or mesh.shard_size % value:
+        divisors = [k for k in range(1, mesh.shard_size + 1) if mesh.shard_size % k == 0]
+        raise ValueError(
+            f"funcshard.shard: reshard_after_forward={value} must divide the shard size "
+            f"{mesh.shard_size}; choose one of {divisors}, or True/False."
+        )
+
+
+def _model_problems(model: nn.Module, plan: Plan) -> str:
+    """What is wrong with this rank's model against the plan, or "" (checked before any
+    collective, reported on every rank by `_check_same_model_everywhere`)."""
+    params = dict(model.named_parameters())
+    planned = set(plan.fqns) | set(plan.ignored)
+    missing = [f for f in planned if f not in params]
+    extra = [f for f in params if f not in planned]
+    if missing or extra:
+        return (
+            f"the plan does not describe this model (plan has {format_names(missing)} that "
+            f"the model lacks; the model has {format_names(extra)} that the plan lacks). "
+            f"Plan the same model you shard: funcshard.plan(model, ...)."
+        )
+    for unit in plan.units:
+        for fqn, shape, dtype in zip(unit.fqns, unit.shapes, unit.param_dtypes, strict=True):
+            p = params[fqn]
+            if tuple(p.shape) != shape or p.dtype != dtype:
+                return (
+                    f"{fqn!r} is {tuple(p.shape)} {p.dtype} in the model but {shape} {dtype} "
+                    f"in the plan. Plan the model after changing it."
+                )
+    not_float = [f for f, p in params.items() if not (p.is_floating_point() or p.is_complex())]
+    if not_float:
+        return (
+            f"parameters {format_names(not_float)} are not floating point "
+            f"({params[not_float[0]].dtype}); only floating-point parameters can be sharded "
+            f"and trained. Register them as buffers, or pass them in `ignored`."
+        )
+    return ""
+
+
+def _check_same_model_everywhere(model: nn.Module, plan: Plan, mesh: Mesh) -> None:
+    """Raise on every rank if any rank's model or plan differs (one small all-gather)."""
+    problem = _model_problems(model, plan)
+    fingerprint = int(plan.fingerprint()[:15], 16)
+    gathered = collectives.all_gather_ints([fingerprint, int(bool(problem))], mesh.group)
+    if all(row == [gathered[0][0], 0] for row in gathered):
+        return
+    described = [
+        (f, s, str(d))
+        for u in plan.units
+        for f, s, d in zip(u.fqns, u.shapes, u.param_dtypes, strict=True)
+    ]
+    reports = collectives.all_gather_object((problem, described), mesh.group)
+    for rank, (text, _) in enumerate(reports):
+        if text:
+            raise ValueError(f"funcshard.shard: on rank {rank}: {text}")
+    raise ValueError(f"funcshard.shard: ranks disagree on the model: {_first_difference(reports)}")
+
+
+def _first_difference(reports: list[tuple[str, list[tuple[str, tuple, str]]]]) -> str:
+    """Name the first parameter whose shape or dtype differs from rank 0's, and the fix."""
+    reference = reports[0][1]
+    for rank, (_, described) in enumerate(reports[1:], start=1):
+        for (fqn, shape, dtype), (other_fqn, other_shape, other_dtype) in zip(
+            reference, described, strict=False
+        ):
+            if (fqn, shape, dtype) != (other_fqn, other_shape, other_dtype):
+                return (
+                    f"{fqn!r} is {shape} {dtype} on rank 0 but {other_fqn!r} is {other_shape} "
+                    f"{other_dtype} on rank {rank}. Build the same model (config, dtypes, plan "
+                    f"policy) on every rank."
+                )
+        if len(described) != len(reference):
+            return (
+                f"rank 0 plans {len(reference)} parameters but rank {rank} plans "
+                f"{len(described)}. Build the same model on every rank."
+            )
+    return "the plans group the same parameters differently. Use the same policy on every rank."
+
+
+def _check_full(full: Mapping[str, Tensor], layout: Layout, state: ShardedState) -> None:
+    expected = set(layout.fqns) | set(layout.replicated)
+    missing = [f for f in (*layout.fqns, *layout.replicated) if f not in full]
+    unexpected = [f for f in full if f not in expected]
+    if missing or unexpected:
+        raise ValueError(
+            f"funcshard.reshard: the full parameters do not match the state: missing "
+            f"{format_names(missing) or 'none'}; unexpected {format_names(unexpected) or 'none'}. "
+            f"Pass every parameter, keyed as funcshard.unshard returns them."
+        )
+    for flat in layout.flats:
+        for fqn, shape in zip(flat.fqns, flat.shapes, strict=True):
+            t = full[fqn]
+            if tuple(t.shape) != shape or t.dtype != flat.dtype:
+                raise ValueError(
+                    f"funcshard.reshard: {fqn!r} must be {shape} {flat.dtype}, got "
+                    f"{tuple(t.shape)} {t.dtype}."
+                )
+
+
+def _check_grads(grads: Mapping[str, Tensor | None], layout: Layout) -> None:
+    shapes = {f: s for flat in layout.flats for f, s in zip(flat.fqns, flat.shapes, strict=True)}
+    unexpected = [f for f in grads if f not in shapes and f not in layout.replicated]
+    if unexpected:
+        raise ValueError(
+            f"funcshard.reduce: gradients for {format_names(unexpected)}, which are not "
+            f"parameters of this state. Key gradients by the FQNs of funcshard.unshard."
+        )
+    for fqn, g in grads.items():
+        if g is not None and fqn in shapes and tuple(g.shape) != shapes[fqn]:
+            raise ValueError(
+                f"funcshard.reduce: the gradient of {fqn!r} must have shape {shapes[fqn]}, "
+                f"got {tuple(g.shape)}."
+            )
