@@ -52,6 +52,7 @@ def shard(
     if any(p.is_meta for p in params.values()) or any(b.is_meta for b in model.buffers()):
         shards, replicated, buffers = materialize(model, layout, mesh.shard_rank, seed, mesh.device)
     else:
+        _check_same_values_everywhere(params, layout, mesh)
         shards = [
             local_slice([params[f].to(mesh.device) for f in flat.fqns], flat, mesh.shard_rank)
             for flat in layout.flats
@@ -261,6 +262,38 @@ def _check_same_model_everywhere(model: nn.Module, plan: Plan, mesh: Mesh) -> No
         if text:
             raise ValueError(f"funcshard.shard: on rank {rank}: {text}")
     raise ValueError(f"funcshard.shard: ranks disagree on the model: {_first_difference(reports)}")
+
+
+def _checksum(tensor: Tensor) -> tuple[int, int]:
+    """An exact fingerprint of a tensor's bits: their sum and a position-weighted sum.
+
+    Integer sums wrap around, so the result does not depend on summation order.
+    """
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    bits = tensor.detach().reshape(-1).view(ints).long()
+    weights = torch.arange(bits.numel(), device=bits.device) % 65521 + 1
+    return int(bits.sum()), int((bits * weights).sum())
+
+
+def _check_same_values_everywhere(params: dict[str, Tensor], layout: Layout, mesh: Mesh) -> None:
+    """Raise on every rank, naming the first parameter whose values differ across ranks.
+
+    Slicing models that hold different values would silently stitch a state from several
+    models; DDP broadcasts rank 0's parameters for this reason. Checked with one all-gather
+    of exact checksums.
+    """
+    fqns = [*layout.fqns, *layout.replicated]
+    local = [x for f in fqns for x in _checksum(params[f])]
+    gathered = collectives.all_gather_ints(local, mesh.group)
+    for rank, row in enumerate(gathered[1:], start=1):
+        if row != gathered[0]:
+            first = next(i for i in range(len(row)) if row[i] != gathered[0][i]) // 2
+            raise ValueError(
+                f"funcshard.shard: {fqns[first]!r} holds different values on rank 0 and rank "
+                f"{rank}. Seed every rank alike before building the model "
+                f"(torch.manual_seed), or build it on the meta device and let shard "
+                f"initialize it."
+            )
 
 
 def _first_difference(reports: list[tuple[str, list[tuple[str, tuple, str]]]]) -> str:
