@@ -2,16 +2,20 @@
 
 from funcshard import policy as policy
 from funcshard import testing as testing
+from funcshard.autodiff import accumulate as accumulate
+from funcshard.autodiff import grad as grad
+from funcshard.autodiff import value_and_grad as value_and_grad
 from funcshard.layout import FlatLayout as FlatLayout
 from funcshard.layout import Layout as Layout
 from funcshard.mesh import Mesh as Mesh
 from funcshard.mesh import shutdown as shutdown
-from funcshard.module import call as call
 from funcshard.module import extract as extract
 from funcshard.plan import Plan as Plan
 from funcshard.plan import Unit as Unit
 from funcshard.plan import plan as plan
 from funcshard.precision import MixedPrecision as MixedPrecision
+from funcshard.sharded_call import call as call
+from funcshard.state import LocalGrads as LocalGrads
 from funcshard.state import ShardedGrads as ShardedGrads
 from funcshard.state import ShardedState as ShardedState
 from funcshard.transforms import reduce as reduce
@@ -23,14 +27,17 @@ from funcshard.transforms import unshard_async as unshard_async
 __all__ = [
     "FlatLayout",
     "Layout",
+    "LocalGrads",
     "Mesh",
     "MixedPrecision",
     "Plan",
     "ShardedGrads",
     "ShardedState",
     "Unit",
+    "accumulate",
     "call",
     "extract",
+    "grad",
     "plan",
     "policy",
     "reduce",
@@ -40,5 +47,6 @@ __all__ = [
     "testing",
     "unshard",
     "unshard_async",
+    "value_and_grad",
 ]
 __version__ = "0.1.0"

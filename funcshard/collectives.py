@@ -18,6 +18,9 @@ all-reduce streams ordered by events) awaits a session with a GPU to run it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +29,37 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 _ops = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class Record:
+    """One collective as issued: for tests that check communication against a formula."""
+
+    op: str
+    ranks: tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+
+
+_recording: list[list[Record]] = []
+
+
+@contextlib.contextmanager
+def record() -> Iterator[list[Record]]:
+    """Collect every collective issued inside the block (size-1 groups issue none)."""
+    log: list[Record] = []
+    _recording.append(log)
+    try:
+        yield log
+    finally:
+        _recording.remove(log)
+
+
+def _note(op: str, group: ProcessGroup, tensor: Tensor) -> None:
+    if _recording:
+        entry = Record(op, tuple(dist.get_process_group_ranks(group)), tensor.numel(), tensor.dtype)
+        for log in _recording:
+            log.append(entry)
 
 
 class Pending:
@@ -48,6 +82,7 @@ def all_gather(shard: Tensor, group: ProcessGroup) -> Pending:
     """Concatenate every rank's 1-D `shard` in rank order: (numel * group size,)."""
     if group.size() == 1:
         return Pending(shard, done=True)
+    _note("all_gather", group, shard)
     return Pending(_ops.all_gather_into_tensor(shard, group.size(), group.group_name))
 
 
@@ -55,6 +90,7 @@ def reduce_scatter(flat: Tensor, group: ProcessGroup, op: str = "avg") -> Pendin
     """Reduce 1-D `flat` over the group (op "avg" or "sum"); rank r keeps chunk r."""
     if group.size() == 1:
         return Pending(flat, done=True)
+    _note("reduce_scatter", group, flat)
     return Pending(_ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name))
 
 
@@ -62,6 +98,7 @@ def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "avg") -> Pending:
     """Reduce `tensor` over the group (op "avg" or "sum"); every rank gets the result."""
     if group.size() == 1:
         return Pending(tensor, done=True)
+    _note("all_reduce", group, tensor)
     return Pending(_ops.all_reduce(tensor, op, group.group_name))
 
 

@@ -72,9 +72,22 @@ class ShardedGrads:
         return f"ShardedGrads({kept} of {len(self.shards)} flat buffers)"
 
 
+@dataclass(frozen=True, eq=False)
+class LocalGrads:
+    """Unreduced full-size gradients of one rank, by FQN (None for frozen parameters).
+
+    What `value_and_grad(..., reduce=False)` returns, for accumulating over micro-batches
+    before one `funcshard.reduce`. Kept in each parameter's reduce dtype.
+    """
+
+    grads: dict[str, Tensor | None]
+    layout: Layout
+
+
 register_record(
     ShardedState,
     data_fields=("shards", "replicated", "buffers"),
     meta_fields=("layout", "mp", "reshard_after_forward", "offload"),
 )
 register_record(ShardedGrads, data_fields=("shards",), meta_fields=("layout",))
+register_record(LocalGrads, data_fields=("grads",), meta_fields=("layout",))

@@ -19,7 +19,7 @@ from funcshard.materialize import local_slice, materialize
 from funcshard.mesh import Mesh
 from funcshard.plan import Plan
 from funcshard.precision import MixedPrecision
-from funcshard.state import ShardedGrads, ShardedState
+from funcshard.state import LocalGrads, ShardedGrads, ShardedState
 from funcshard.tree import format_names
 
 
@@ -129,7 +129,7 @@ def reshard(state: ShardedState, full: Mapping[str, Tensor]) -> ShardedState:
 
 def reduce(
     state: ShardedState,
-    full_grads: Mapping[str, Tensor | None],
+    full_grads: Mapping[str, Tensor | None] | LocalGrads,
     divide_factor: float | None = None,
     all_reduce: bool = True,
 ) -> ShardedGrads:
@@ -145,6 +145,8 @@ def reduce(
     all-reduce over the replicate axis. Law: equals the ranks' mean full gradient, sliced.
     """
     layout = state.layout
+    if isinstance(full_grads, LocalGrads):
+        full_grads = full_grads.grads
     _check_grads(full_grads, layout)
     mesh = layout.mesh
     op = "avg" if divide_factor is None else "sum"

@@ -1,0 +1,525 @@
+"""Run a model on a sharded state, gathering each unit just before it runs.
+
+[Note: per-unit gathering]
+`call(model, state, ...)` installs a forward pre-hook and post-hook on every unit's module for
+the duration of the call. The pre-hook waits for the unit's all-gather (issued earlier as a
+prefetch, or now), swaps views of the gathered flat buffers into the module's parameter slots,
+and issues the next unit's all-gather so it overlaps this unit's compute. The post-hook swaps
+meta placeholders back in and drops the gathered buffers. The root unit, and any unit whose
+parameters are also used from outside its own module (a tied weight across units), stay
+gathered for the whole call. Outside its unit's forward a parameter slot holds a meta
+placeholder, so code that touches it there fails loudly instead of reading stale values.
+
+Differentiation: inside `funcshard.value_and_grad`, each gathered unit passes through
+`_Gather`, an autograd function of a zero-size per-call *anchor* that returns the gathered
+buffers unchanged. Autograd runs its backward exactly when the unit's whole gradient is
+known, and there the gradient's reduce-scatter is issued asynchronously and recorded; the
+step waits for all of them at the end. So reduction overlaps the rest of backward, and no
+half-reduced tensor is ever handed back to autograd.
+
+Resharding after forward: while the model runs, `saved_tensors_hooks` replaces every tensor
+autograd saves from a gathered buffer with a small handle (unit, buffer, view geometry). In
+backward the first unpack of a unit regathers it (prefetching the unit that ran before it in
+forward) and the regathered buffer is dropped once the unit's reduce-scatter is issued. With
+`reshard_after_forward=False` the saved views are kept as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from funcshard import collectives
+from funcshard.layout import FlatLayout, Layout
+from funcshard.module import call as call_on_dict
+from funcshard.state import ShardedState
+from funcshard.tree import format_names, join_fqn
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One place a tensor is stored in the module tree: `module.<attr>`."""
+
+    module: nn.Module
+    attr: str
+    is_param: bool
+
+
+@dataclass(frozen=True)
+class Binding:
+    """How a layout maps onto one model's modules (built once per model and layout)."""
+
+    layout: Layout
+    unit_names: tuple[str, ...]
+    unit_modules: tuple[nn.Module, ...]
+    unit_flats: tuple[tuple[int, ...], ...]  # flat indices of each unit
+    param_slots: tuple[tuple[tuple[Slot, int, int, tuple[int, ...]], ...], ...]  # per unit:
+    # (slot, flat index, offset, shape) for every slot holding one of the unit's parameters
+    whole_call: frozenset[int]  # units gathered for the whole call
+    replicated_slots: tuple[tuple[Slot, str], ...]
+    buffer_slots: tuple[tuple[Slot, str], ...]
+
+
+_BINDINGS: weakref.WeakKeyDictionary[nn.Module, dict[int, Binding]] = weakref.WeakKeyDictionary()
+
+
+def bind(model: nn.Module, layout: Layout) -> Binding:
+    """The binding of `layout` to `model`, cached per (model, layout object)."""
+    per_model = _BINDINGS.setdefault(model, {})
+    binding = per_model.get(id(layout))
+    if binding is None or binding.layout is not layout:
+        binding = per_model[id(layout)] = _build_binding(model, layout)
+    return binding
+
+
+def _build_binding(model: nn.Module, layout: Layout) -> Binding:
+    first_fqn = {id(p): n for n, p in model.named_parameters()}
+    expected = set(layout.fqns) | set(layout.replicated)
+    if set(first_fqn.values()) != expected:
+        missing = sorted(expected - set(first_fqn.values()))
+        extra = sorted(set(first_fqn.values()) - expected)
+        raise ValueError(
+            f"funcshard.call: the state does not belong to this {type(model).__name__}: the "
+            f"state has {format_names(missing) or 'nothing'} that the model lacks, the model "
+            f"has {format_names(extra) or 'nothing'} that the state lacks. Call the model "
+            f"the state was sharded from."
+        )
+    where = {}  # fqn -> (flat index, offset, shape)
+    for i, flat in enumerate(layout.flats):
+        for fqn, offset, shape in zip(flat.fqns, flat.offsets, flat.shapes, strict=True):
+            where[fqn] = (i, offset, shape)
+    units = layout.units
+    unit_of_flat = [units.index(flat.unit) for flat in layout.flats]
+    slots_by_unit: list[list[tuple[Slot, int, int, tuple[int, ...]]]] = [[] for _ in units]
+    crossing: set[int] = set()
+    replicated, buffers, seen = [], [], set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module.named_parameters(recurse=False):
+            fqn = first_fqn[id(p)]
+            if fqn in layout.replicated:
+                if (id(module), attr) not in seen:
+                    replicated.append((Slot(module, attr, True), fqn))
+            else:
+                flat_index, offset, shape = where[fqn]
+                unit = unit_of_flat[flat_index]
+                if (id(module), attr) not in seen:
+                    slots_by_unit[unit].append(
+                        (Slot(module, attr, True), flat_index, offset, shape)
+                    )
+                if not _inside(join_fqn(prefix, attr), units[unit]):
+                    crossing.add(unit)
+            seen.add((id(module), attr))
+        for attr, _ in module.named_buffers(recurse=False):
+            if (id(module), attr) not in seen:
+                seen.add((id(module), attr))
+                buffers.append((Slot(module, attr, False), join_fqn(prefix, attr)))
+    first_buffer = {id(b): n for n, b in model.named_buffers()}
+    buffer_slots = tuple(
+        (slot, first_buffer[id(getattr(slot.module, slot.attr))]) for slot, _ in buffers
+    )
+    root = units.index("") if "" in units else None
+    whole = frozenset(crossing | ({root} if root is not None else set()))
+    return Binding(
+        layout=layout,
+        unit_names=units,
+        unit_modules=tuple(model.get_submodule(u) for u in units),
+        unit_flats=tuple(
+            tuple(i for i, u in enumerate(unit_of_flat) if u == k) for k in range(len(units))
+        ),
+        param_slots=tuple(tuple(s) for s in slots_by_unit),
+        whole_call=whole,
+        replicated_slots=tuple(replicated),
+        buffer_slots=buffer_slots,
+    )
+
+
+def _inside(fqn: str, unit: str) -> bool:
+    return unit == "" or fqn.startswith(unit + ".")
+
+
+def _set_slot(slot: Slot, tensor: Tensor) -> None:
+    """Store a plain tensor in a parameter or buffer slot (nn.Module's setattr would refuse)."""
+    store = slot.module._parameters if slot.is_param else slot.module._buffers
+    store[slot.attr] = tensor
+
+
+def _get_slot(slot: Slot) -> Tensor:
+    store = slot.module._parameters if slot.is_param else slot.module._buffers
+    return store[slot.attr]
+
+
+class GradRecorder:
+    """Collects, during one differentiated call, each unit's gradient as it is produced.
+
+    `funcshard.value_and_grad` makes one per step; see [Note: per-unit gathering].
+    """
+
+    def __init__(self, state: ShardedState, reduce: bool, all_reduce: bool) -> None:
+        self.state = state
+        self.reduce = reduce
+        self.all_reduce = all_reduce
+        self.anchors: list[Tensor] = []
+        self.runs: list[_Run] = []
+        self.pending: list[list[collectives.Pending]] = [[] for _ in state.layout.flats]
+        self.local: list[Tensor | None] = [None] * len(state.layout.flats)
+
+    def anchor(self) -> Tensor:
+        anchor = torch.zeros(0, requires_grad=True)
+        self.anchors.append(anchor)
+        return anchor
+
+    def on_grad(self, flat_indices: tuple[int, ...], grads: tuple[Tensor | None, ...]) -> None:
+        """A unit's full-buffer gradients are complete: start reducing them (or keep them)."""
+        layout = self.state.layout
+        for i, grad in zip(flat_indices, grads, strict=True):
+            flat = layout.flats[i]
+            if grad is None or flat.frozen:
+                continue
+            grad = grad.to(reduce_dtype(self.state, flat))
+            if self.reduce:
+                self.pending[i].append(
+                    collectives.reduce_scatter(grad, layout.mesh.shard_group, "avg")
+                )
+            else:
+                self.local[i] = grad if self.local[i] is None else self.local[i] + grad
+
+
+def reduce_dtype(state: ShardedState, flat: FlatLayout) -> torch.dtype:
+    """The dtype a flat buffer's gradients are reduced in."""
+    if state.mp is None or flat.keep_fp32:
+        return flat.dtype
+    return state.mp.reduce_dtype_for(flat.dtype)
+
+
+def gather_dtype(state: ShardedState, flat: FlatLayout) -> torch.dtype:
+    """The dtype a flat buffer is gathered (and computed) in."""
+    if state.mp is None or flat.keep_fp32 or state.mp.param_dtype is None:
+        return flat.dtype
+    return state.mp.param_dtype
+
+
+class _Gather(torch.autograd.Function):
+    """Identity on a unit's gathered buffers whose backward reports their gradients."""
+
+    @staticmethod
+    def forward(ctx, anchor, run, unit, *flats):
+        ctx.run, ctx.unit = run, unit
+        return flats
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.run.on_grad(ctx.unit, grads)
+        return (torch.zeros(0), None, None, *([None] * len(grads)))
+
+
+_RECORDER: contextvars.ContextVar[GradRecorder | None] = contextvars.ContextVar(
+    "funcshard_grad_recorder", default=None
+)
+
+
+@contextlib.contextmanager
+def recording(recorder: GradRecorder) -> Iterator[None]:
+    """Make `recorder` collect the gradients of every sharded call inside the block."""
+    token = _RECORDER.set(recorder)
+    try:
+        yield
+    finally:
+        _RECORDER.reset(token)
+
+
+class _Handle:
+    """What autograd keeps instead of a view into a resharded unit's gathered buffer."""
+
+    __slots__ = ("flat", "offset", "size", "stride", "unit")
+
+    def __init__(self, unit: int, flat: int, tensor: Tensor) -> None:
+        self.unit, self.flat = unit, flat
+        self.size, self.stride, self.offset = (
+            tensor.size(),
+            tensor.stride(),
+            tensor.storage_offset(),
+        )
+
+
+class _Run:
+    """The life of one sharded call: what is gathered, in flight, and in what order units ran."""
+
+    def __init__(self, binding: Binding, state: ShardedState, recorder: GradRecorder | None):
+        self.binding = binding
+        self.state = state
+        self.recorder = recorder
+        layout = state.layout
+        self.full: list[tuple[Tensor, ...] | None] = [None] * len(binding.unit_names)
+        self.pending: dict[int, tuple[collectives.Pending, ...]] = {}
+        self.order: list[int] = []
+        self.storage_of: dict[int, tuple[int, int]] = {}  # data_ptr -> (unit, flat)
+        self.backward_full: dict[int, tuple[Tensor, ...]] = {}
+        self.finished: set[int] = set()  # units whose gradients are reported
+        self.reshard = state.reshard_after_forward is not False
+        self.forward_next = {
+            u: nxt for u, nxt in zip(self._sharded_units(), self._sharded_units()[1:], strict=False)
+        }
+        self.layout = layout
+
+    def _sharded_units(self) -> list[int]:
+        return [u for u in range(len(self.binding.unit_names)) if u not in self.binding.whole_call]
+
+    def issue(self, unit: int) -> None:
+        """Start the all-gathers of a unit's flat buffers, unless already gathered or started."""
+        if self.full[unit] is not None or unit in self.pending:
+            return
+        layout, group = self.layout, self.layout.mesh.shard_group
+        self.pending[unit] = tuple(
+            collectives.all_gather(
+                self.state.shards[i].to(
+                    layout.mesh.device, gather_dtype(self.state, layout.flats[i])
+                ),
+                group,
+            )
+            for i in self.binding.unit_flats[unit]
+        )
+
+    def gathered(self, unit: int) -> tuple[Tensor, ...]:
+        """Wait for a unit's buffers (issuing them if needed); differentiable when recording."""
+        if self.full[unit] is None:
+            self.issue(unit)
+            flats = tuple(p.wait() for p in self.pending.pop(unit))
+            trainable = any(not self.layout.flats[i].frozen for i in self.binding.unit_flats[unit])
+            if self.recorder is not None and trainable and torch.is_grad_enabled():
+                flats = _Gather.apply(self.recorder.anchor(), self, unit, *flats)
+            for flat_index, flat in zip(self.binding.unit_flats[unit], flats, strict=True):
+                self.storage_of[flat.untyped_storage().data_ptr()] = (unit, flat_index)
+            self.full[unit] = flats
+        return self.full[unit]
+
+    def enter(self, unit: int) -> None:
+        """A unit's module is about to run: put its parameters in place, prefetch the next."""
+        flats = self.gathered(unit)
+        self.order.append(unit)
+        nxt = self.forward_next.get(unit)
+        if nxt is not None:
+            self.issue(nxt)
+        self._swap_in(unit, flats)
+
+    def leave(self, unit: int) -> None:
+        """A unit's module has run: release its parameters until backward needs them."""
+        if unit in self.binding.whole_call:
+            return
+        self._swap_out(unit)
+        self._forget(unit)
+        self.full[unit] = None
+
+    def _forget(self, unit: int) -> None:
+        """Stop recognizing a released unit's buffers: the allocator may reuse their memory."""
+        for flat in self.full[unit] or ():
+            self.storage_of.pop(flat.untyped_storage().data_ptr(), None)
+
+    def _swap_in(self, unit: int, flats: tuple[Tensor, ...]) -> None:
+        position = {i: k for k, i in enumerate(self.binding.unit_flats[unit])}
+        for slot, flat_index, offset, shape in self.binding.param_slots[unit]:
+            flat = flats[position[flat_index]]
+            numel = _numel(shape)
+            _set_slot(slot, flat[offset : offset + numel].view(shape))
+
+    def _swap_out(self, unit: int) -> None:
+        for slot, _, _, shape in self.binding.param_slots[unit]:
+            _set_slot(slot, _placeholder(shape))
+
+    def on_grad(self, unit: int, grads: tuple[Tensor | None, ...]) -> None:
+        """Autograd finished a unit's gradients: hand them on and drop its regathered copy."""
+        assert self.recorder is not None  # _Gather only runs under a recorder
+        self.recorder.on_grad(self.binding.unit_flats[unit], grads)
+        self.finished.add(unit)
+        self.backward_full.pop(unit, None)
+
+    # saved-tensor hooks: see [Note: per-unit gathering]
+    def pack(self, tensor: Tensor) -> Any:
+        if not self.reshard:
+            return tensor
+        owner = self.storage_of.get(tensor.untyped_storage().data_ptr())
+        if owner is None or owner[0] in self.binding.whole_call:
+            return tensor  # not a gathered buffer, or one kept for the whole step
+        if tensor.dtype != self.full_dtype(owner[1]):
+            return tensor
+        return _Handle(owner[0], owner[1], tensor)
+
+    def unpack(self, packed: Any) -> Tensor:
+        if not isinstance(packed, _Handle):
+            return packed
+        flats = self.backward_gathered(packed.unit)
+        flat = flats[self.binding.unit_flats[packed.unit].index(packed.flat)]
+        return flat.as_strided(packed.size, packed.stride, packed.offset)
+
+    def full_dtype(self, flat_index: int) -> torch.dtype:
+        return gather_dtype(self.state, self.layout.flats[flat_index])
+
+    def backward_gathered(self, unit: int) -> tuple[Tensor, ...]:
+        """Regather a unit in backward, prefetching the one that ran before it in forward."""
+        if unit not in self.backward_full:
+            self.issue_backward(unit)
+            self.backward_full[unit] = tuple(p.wait() for p in self.pending.pop(unit))
+            ran_before = self._ran_before(unit)
+            if ran_before is not None:
+                self.issue_backward(ran_before)
+        return self.backward_full[unit]
+
+    def issue_backward(self, unit: int) -> None:
+        if unit in self.backward_full or unit in self.pending:
+            return
+        self.full[unit] = None
+        self.issue(unit)
+
+    def _ran_before(self, unit: int) -> int | None:
+        """The unit that ran just before `unit` in forward, if backward still needs it."""
+        if unit not in self.order:
+            return None
+        index = self.order.index(unit)
+        earlier = self.order[index - 1] if index > 0 else None
+        if earlier is None or earlier in self.finished or earlier in self.backward_full:
+            return None
+        return earlier
+
+    def finish(self) -> None:
+        """Wait for any prefetch nobody used and drop every gathered buffer."""
+        for pending in self.pending.values():
+            for p in pending:
+                p.wait()
+        self.pending.clear()
+        self.backward_full.clear()
+        self.full = [None] * len(self.full)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _placeholder(shape: tuple[int, ...]) -> Tensor:
+    """What a parameter slot holds outside its unit's forward: using it fails loudly."""
+    return torch.empty(shape, device="meta")
+
+
+def call(
+    model: nn.Module,
+    params: ShardedState | Mapping[str, Tensor],
+    *args: Any,
+    buffers: Mapping[str, Tensor] | None = None,
+    mutable: bool = False,
+    method: str = "forward",
+    **kwargs: Any,
+) -> Any:
+    """Run `model.<method>(*args, **kwargs)` on a params dict or a sharded state.
+
+    On a ShardedState each unit is all-gathered just before its module runs and released
+    after it (see [Note: per-unit gathering]); the state's buffers are used (cloned, so the
+    state is never written) and `mutable=True` returns `(out, new_buffers)`.
+    Communicates (sharded): one all-gather per unit and flat buffer over the shard axis.
+    """
+    if not isinstance(params, ShardedState):
+        return call_on_dict(
+            model, params, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
+        )
+    state = params
+    binding = bind(model, state.layout)
+    run = _Run(binding, state, _RECORDER.get())
+    new_buffers = {
+        k: v.clone() for k, v in (buffers if buffers is not None else state.buffers).items()
+    }
+    args, kwargs = _cast_inputs(state, args, kwargs)
+    originals = _save_slots(binding)
+    hooks = _install_hooks(binding, run)
+    try:
+        for slot, fqn in binding.replicated_slots:
+            _set_slot(slot, state.replicated[fqn])
+        for slot, fqn in binding.buffer_slots:
+            _set_slot(slot, new_buffers[fqn])
+        for unit in range(len(binding.unit_names)):
+            if unit in binding.whole_call:
+                run.enter(unit)
+            else:
+                run._swap_out(unit)
+        with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+            target = model if method == "forward" else getattr(model, method)
+            out = target(*args, **kwargs)
+    finally:
+        for handle in hooks:
+            handle.remove()
+        _restore_slots(originals)
+        for pending in run.pending.values():  # a prefetch nobody used: finish it anyway
+            for p in pending:
+                p.wait()
+        run.pending.clear()
+    if run.recorder is not None and torch.is_grad_enabled():
+        run.recorder.runs.append(run)
+        if run.reshard:  # autograd keeps handles; only whole-call units stay gathered
+            run.full = [f if u in binding.whole_call else None for u, f in enumerate(run.full)]
+    else:
+        run.full = [None] * len(run.full)
+    out = _cast_outputs(state, out)
+    return (out, new_buffers) if mutable else out
+
+
+def _install_hooks(binding: Binding, run: _Run) -> list[Any]:
+    handles = []
+    for unit, module in enumerate(binding.unit_modules):
+        if unit in binding.whole_call:
+            continue
+        handles.append(module.register_forward_pre_hook(_pre_hook(run, unit)))
+        handles.append(module.register_forward_hook(_post_hook(run, unit), always_call=True))
+    return handles
+
+
+def _pre_hook(run: _Run, unit: int) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        run.enter(unit)
+
+    return hook
+
+
+def _post_hook(run: _Run, unit: int) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        run.leave(unit)
+
+    return hook
+
+
+def _save_slots(binding: Binding) -> list[tuple[Slot, Tensor]]:
+    slots = [s for unit in binding.param_slots for s, *_ in unit]
+    slots += [s for s, _ in binding.replicated_slots] + [s for s, _ in binding.buffer_slots]
+    return [(slot, _get_slot(slot)) for slot in slots]
+
+
+def _restore_slots(saved: list[tuple[Slot, Tensor]]) -> None:
+    for slot, tensor in saved:
+        _set_slot(slot, tensor)
+
+
+def _cast_inputs(state: ShardedState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    mp = state.mp
+    if mp is None or not mp.cast_inputs or mp.param_dtype is None:
+        return args, kwargs
+
+    def cast(x: Any) -> Any:
+        return x.to(mp.param_dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+
+    return optree.tree_map(cast, args), optree.tree_map(cast, kwargs)
+
+
+def _cast_outputs(state: ShardedState, out: Any) -> Any:
+    mp = state.mp
+    if mp is None or mp.output_dtype is None:
+        return out
+    return optree.tree_map(
+        lambda x: x.to(mp.output_dtype) if isinstance(x, Tensor) and x.is_floating_point() else x,
+        out,
+    )
