@@ -1,5 +1,6 @@
 """funcshard: data-parallel sharding (FSDP, DDP, HSDP) for PyTorch, as pure functions on pytrees."""
 
+from funcshard import optim as optim
 from funcshard import policy as policy
 from funcshard import testing as testing
 from funcshard.autodiff import accumulate as accumulate
@@ -10,6 +11,7 @@ from funcshard.layout import Layout as Layout
 from funcshard.mesh import Mesh as Mesh
 from funcshard.mesh import shutdown as shutdown
 from funcshard.module import extract as extract
+from funcshard.optim import apply_updates as apply_updates
 from funcshard.plan import Plan as Plan
 from funcshard.plan import Unit as Unit
 from funcshard.plan import plan as plan
@@ -35,9 +37,11 @@ __all__ = [
     "ShardedState",
     "Unit",
     "accumulate",
+    "apply_updates",
     "call",
     "extract",
     "grad",
+    "optim",
     "plan",
     "policy",
     "reduce",

@@ -26,7 +26,7 @@ def value_and_grad(
     has_aux: bool = False,
     reduce: bool = True,
     all_reduce: bool = True,
-    prefetch: Any = None,
+    prefetch: bool = True,
 ) -> Callable[..., tuple[Any, Any]]:
     """Return a function computing `f(params, *args)` and its gradient w.r.t. `params`.
 
@@ -37,17 +37,18 @@ def value_and_grad(
     Communicates (sharded): per unit one all-gather in forward, one more in backward when
     resharded after forward, and one reduce-scatter; one all-reduce per unit on HSDP meshes.
     """
-    if prefetch is not None:
+    if prefetch not in (True, False):
         raise NotImplementedError(
-            "funcshard.value_and_grad: explicit prefetch orders are not implemented yet; the "
-            "default prefetches the next unit in plan order (forward) and in reverse run "
-            "order (backward)."
+            "funcshard.value_and_grad: prefetch takes True (the default: the next unit in "
+            "plan order in forward, the unit that ran before in backward) or False; explicit "
+            "orders are not implemented yet."
         )
 
     @functools.wraps(f)
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         if isinstance(params, ShardedState):
-            return _sharded_value_and_grad(f, has_aux, reduce, all_reduce, params, args, kwargs)
+            recorder = GradRecorder(params, reduce, all_reduce, prefetch)
+            return _sharded_value_and_grad(f, has_aux, recorder, args, kwargs)
         if isinstance(params, Mapping):
             return _dict_value_and_grad(f, has_aux, params, args, kwargs)
         raise TypeError(
@@ -81,8 +82,8 @@ def _split(out: Any, has_aux: bool, where: str) -> tuple[Tensor, Any]:
     return loss, aux
 
 
-def _sharded_value_and_grad(f, has_aux, reduce, all_reduce, state, args, kwargs):
-    recorder = GradRecorder(state, reduce, all_reduce)
+def _sharded_value_and_grad(f, has_aux, recorder, args, kwargs):
+    state = recorder.state
     try:
         with recording(recorder):
             loss, aux = _split(f(state, *args, **kwargs), has_aux, "value_and_grad")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -109,6 +110,15 @@ def broadcast(tensor: Tensor, group: ProcessGroup, src_rank: int) -> Tensor:
     out = tensor.detach().clone()
     dist.broadcast(out, src=src_rank, group=group)
     return out
+
+
+def barrier(group: ProcessGroup, timeout: timedelta) -> None:
+    """Wait for every rank of the group; on gloo a rank that is gone fails it within
+    `timeout` instead of hanging."""
+    if "gloo" in str(dist.get_backend(group)):
+        dist.monitored_barrier(group=group, timeout=timeout)
+    else:
+        dist.barrier(group=group)
 
 
 def all_gather_ints(values: list[int], group: ProcessGroup) -> list[list[int]]:

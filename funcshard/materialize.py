@@ -5,19 +5,23 @@ The rule: modules are initialized in registration order by their own `reset_para
 (then `reset_buffers()`, if they define one, for buffers such as rotary frequencies), all
 under one seed shared by every rank, and each parameter only by the first module that holds
 it. Every rank replays the whole sequence and keeps only its slice, so the values do not
-depend on the world size, and they equal a model built on the CPU after
-`torch.manual_seed(seed)`: construction calls the same `reset_parameters()` in the same order.
+depend on the world size. They equal a model built on the CPU after `torch.manual_seed(seed)`
+whenever construction initialized modules in that same order, as models made of torch's
+layers do (the GPT here). A parent that calls its own `reset_parameters()` after building
+its children initializes in a different order from construction, so its values differ from
+the CPU build's (they are still the same on every rank and world size).
 
 A later holder of a tied parameter (a GPT head tied to its embedding) still runs its
 `reset_parameters()`, on a scratch tensor that is then dropped, so the random stream advances
 exactly as it did when the model was constructed, and the embedding keeps its values.
 
 Work happens on a deep copy of the meta model (free: meta tensors have no storage), so the
-caller's model is untouched. A tensor counts as initialized when its init wrote it (its
-version counter moved) or replaced it; anything else is reported by FQN, never left as
-garbage. A flat buffer is sliced to this rank's shard as soon as its last parameter is
-initialized, and the full tensors are dropped, so peak memory stays near one unit's worth
-rather than the model's.
+caller's model is untouched. Fresh tensors start filled with NaN (floats) or the lowest
+integer; a tensor counts as initialized when its init replaced it, or wrote it (its version
+counter moved, or the sentinel is gone, for inits that write through `.data`). Anything else
+is reported by FQN, never left as garbage. A flat buffer is sliced to this rank's shard as
+soon as its last parameter is initialized, and the full tensors are dropped, so peak memory
+stays near one unit's worth rather than the model's.
 """
 
 from __future__ import annotations
@@ -93,6 +97,24 @@ def materialize(
     return shards, replicated, buffers
 
 
+def _sentinel(meta: Tensor, device: torch.device) -> Tensor:
+    """A fresh tensor no init would produce: NaN, or the dtype's lowest integer."""
+    fill = float("nan") if meta.is_floating_point() or meta.is_complex() else None
+    if fill is None:
+        fill = False if meta.dtype == torch.bool else torch.iinfo(meta.dtype).min
+    return torch.full(meta.shape, fill, dtype=meta.dtype, device=device)
+
+
+def _still_sentinel(tensor: Tensor) -> bool:
+    if tensor.numel() == 0:
+        return False
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(tensor.detach().isnan().all())
+    if tensor.dtype == torch.bool:
+        return True  # a bool buffer written through .data cannot be told apart
+    return bool((tensor.detach() == torch.iinfo(tensor.dtype).min).all())
+
+
 def _init_module(
     module: nn.Module,
     prefix: str,
@@ -110,7 +132,7 @@ def _init_module(
         return
     fresh = {}
     for name, meta, is_param in slots:
-        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        tensor = _sentinel(meta, device)
         obj = nn.Parameter(tensor, meta.requires_grad) if is_param else tensor
         fresh[name] = (obj, obj._version)
         setattr(module, name, obj)
@@ -126,7 +148,7 @@ def _init_module(
             continue  # a later holder of a tied tensor: its init only advanced the RNG
         seen.add(id(meta))
         fqn = first_fqn.get(id(meta), join_fqn(prefix, name))
-        if value is obj and obj._version == version:
+        if value is obj and obj._version == version and _still_sentinel(obj):
             uninitialized.append(fqn)
         else:
             on_initialized(fqn, value.detach())

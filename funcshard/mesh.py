@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from funcshard import collectives
+
 AXES = ("replicate", "shard")
 
 
@@ -105,11 +107,15 @@ class Mesh:
                 f"Flatten the data-parallel dimensions into (replicate, shard) first."
             )
         if len(shape) == 1 or names != AXES:
-            device_mesh = DeviceMesh(
-                device_mesh.device_type,
-                device_mesh.mesh.reshape(replicate, shard),
-                mesh_dim_names=AXES,
-            )
+            ranks = tuple(device_mesh.mesh.flatten().tolist())
+            key = (dist.group.WORLD, device_mesh.device_type, ranks, replicate, shard)
+            if key not in _REWRAPPED:  # building groups is a collective: once per shape
+                _REWRAPPED[key] = DeviceMesh(
+                    device_mesh.device_type,
+                    device_mesh.mesh.reshape(replicate, shard),
+                    mesh_dim_names=AXES,
+                )
+            device_mesh = _REWRAPPED[key]
         return cls(
             replicate=replicate,
             shard=shard,
@@ -159,6 +165,20 @@ class Mesh:
         """The process group of the ranks that hold the same shard as this rank."""
         return self.device_mesh.get_group("replicate")
 
+    def post_forward_group(self, k: int) -> ProcessGroup:
+        """The group of k consecutive shard ranks a unit is resharded over after forward
+        (`reshard_after_forward=k`); built once per k, on every rank together."""
+        if self.shard_size % k:
+            raise ValueError(f"Mesh: {k} does not divide the shard size {self.shard_size}.")
+        key = (dist.group.WORLD, self.device_type, self.replicate, self.shard, k)
+        if key not in _SUBMESHES:
+            _SUBMESHES[key] = init_device_mesh(
+                self.device_type or "cpu",
+                (self.replicate, self.shard // k, k),
+                mesh_dim_names=("replicate", "shard_outer", "shard_inner"),
+            )
+        return _SUBMESHES[key].get_group("shard_inner")
+
     @property
     def group(self) -> ProcessGroup:
         """The process group of every rank in the mesh (for whole-mesh checks)."""
@@ -180,6 +200,8 @@ def _default_device_type() -> str:
 
 
 _MESHES: dict[tuple[object, str, int, int], DeviceMesh] = {}
+_SUBMESHES: dict[tuple[object, str | None, int, int, int], DeviceMesh] = {}
+_REWRAPPED: dict[tuple[object, ...], DeviceMesh] = {}
 
 
 def _cached_mesh(device_type: str, replicate: int, world: int) -> DeviceMesh:
@@ -202,9 +224,8 @@ def shutdown(timeout: timedelta = timedelta(seconds=30)) -> None:
     """
     if not dist.is_initialized():
         return
-    if "gloo" in str(dist.get_backend()):
-        dist.monitored_barrier(timeout=timeout)
-    else:
-        dist.barrier()
+    collectives.barrier(dist.group.WORLD, timeout)
     _MESHES.clear()
+    _SUBMESHES.clear()
+    _REWRAPPED.clear()
     dist.destroy_process_group()

@@ -4,7 +4,7 @@
 A module's parameters and buffers become two flat dicts keyed by FQN, which optree, torch.func
 and torch.compile all see as pytrees. A tensor reachable under several names (tied weights)
 appears once, under its first FQN in registration order, as `named_parameters()` gives it;
-`torch.func.functional_call(..., tie_weights=True)` then feeds every name that shares it.
+`call` feeds it to every name that shares it (see [Note: tied tensors]).
 
 `call` is pure: buffers are cloned before the module runs, because modules such as BatchNorm
 update running statistics in place, and the caller's tensors must stay bitwise unchanged. The
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 
 from funcshard.tree import format_names, join_fqn
 
@@ -66,7 +66,7 @@ def call(
         _check_keys(model, buffers, buffer_slots, "buffers")
     new_buffers = {name: b.clone() for name, b in buffers.items()}
     tensors = {**param_slots.feed(params), **buffer_slots.feed(new_buffers)}
-    out = _functional_call(model, tensors, method, args, kwargs)
+    out, new_buffers = _functional_call(model, tensors, buffer_slots.firsts, method, args, kwargs)
     return (out, new_buffers) if mutable else out
 
 
@@ -87,11 +87,12 @@ class _Slots:
 
 
 # [Note: tied tensors]
-# functional_call(tie_weights=True) corrupts a module registered under two names (the same
-# nn.Linear twice in a Sequential): its restore step leaves the caller's tensor in place of the
-# module's Parameter (torch 2.13). So funcshard ties by hand with tie_weights=False: a shared
-# tensor is fed once per distinct (module, attribute) slot that holds it, and a slot reached
-# again through a second path to the same module is not fed twice.
+# torch.func.functional_call(tie_weights=True) corrupts a module registered under two names
+# (the same nn.Linear twice in a Sequential): its restore step leaves the caller's tensor in
+# place of the module's Parameter (torch 2.13). So funcshard ties by hand, through the
+# reparametrization functional_call itself uses, with tie_weights=False: a shared tensor is fed
+# once per distinct (module, attribute) slot that holds it, and a slot reached again through a
+# second path to the same module is not fed twice.
 def _slots(model: nn.Module) -> tuple[_Slots, _Slots]:
     """Find the first FQN and every alias of each parameter and buffer of the model."""
     kinds: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
@@ -120,31 +121,28 @@ def _slots(model: nn.Module) -> tuple[_Slots, _Slots]:
 
 
 def _functional_call(
-    model: nn.Module, tensors: Params, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    if method == "forward":
-        return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
-    if not callable(getattr(model, method, None)):
+    model: nn.Module,
+    tensors: Params,
+    buffer_names: tuple[str, ...],
+    method: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, Params]:
+    """Run the method with `tensors` swapped in; return its output and the buffers after it.
+
+    The buffers are read before the swap is undone, so an update by reassignment
+    (`self.steps = self.steps + 1`) is kept as well as an in-place one.
+    """
+    target = model if method == "forward" else getattr(model, method, None)
+    if not callable(target):
         raise ValueError(
             f"funcshard.call: {type(model).__name__} has no method {method!r}. "
             f"Pass the name of a method of the model, e.g. method='forward'."
         )
-    # functional_call only calls forward; a one-child wrapper forwards to the method instead.
-    wrapper = _MethodCall(model, method)
-    prefixed = {f"inner.{k}": v for k, v in tensors.items()}
-    return functional_call(wrapper, prefixed, args, kwargs, tie_weights=False, strict=False)
-
-
-class _MethodCall(nn.Module):
-    """Make `inner.<method>` the forward of a module, so functional_call can run it."""
-
-    def __init__(self, inner: nn.Module, method: str) -> None:
-        super().__init__()
-        self.inner = inner
-        self.method = method
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.inner, self.method)(*args, **kwargs)
+    with _reparametrize_module(model, tensors, tie_weights=False, strict=False):
+        out = target(*args, **kwargs)
+        after = {name: model.get_buffer(name) for name in buffer_names}
+    return out, after
 
 
 def _check_keys(model: nn.Module, given: Mapping[str, Tensor], slots: _Slots, kind: str) -> None:

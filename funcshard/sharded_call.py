@@ -162,8 +162,11 @@ class GradRecorder:
     `funcshard.value_and_grad` makes one per step; see [Note: per-unit gathering].
     """
 
-    def __init__(self, state: ShardedState, reduce: bool, all_reduce: bool) -> None:
+    def __init__(
+        self, state: ShardedState, reduce: bool, all_reduce: bool, prefetch: bool = True
+    ) -> None:
         self.state = state
+        self.prefetch = prefetch
         self.reduce = reduce
         self.all_reduce = all_reduce
         self.anchors: list[Tensor] = []
@@ -264,6 +267,10 @@ class _Run:
         self.backward_full: dict[int, tuple[Tensor, ...]] = {}
         self.finished: set[int] = set()  # units whose gradients are reported
         self.reshard = state.reshard_after_forward is not False
+        k = state.reshard_after_forward
+        self.post_forward_k = k if not isinstance(k, bool) and k < layout.mesh.shard_size else None
+        self.post_forward: dict[int, tuple[Tensor, ...]] = {}  # unit -> this rank's 1/k slices
+        self.prefetch = recorder.prefetch if recorder is not None else True
         self.forward_next = {
             u: nxt for u, nxt in zip(self._sharded_units(), self._sharded_units()[1:], strict=False)
         }
@@ -304,7 +311,7 @@ class _Run:
         """A unit's module is about to run: put its parameters in place, prefetch the next."""
         flats = self.gathered(unit)
         self.order.append(unit)
-        nxt = self.forward_next.get(unit)
+        nxt = self.forward_next.get(unit) if self.prefetch else None
         if nxt is not None:
             self.issue(nxt)
         self._swap_in(unit, flats)
@@ -314,8 +321,17 @@ class _Run:
         if unit in self.binding.whole_call:
             return
         self._swap_out(unit)
+        if self.post_forward_k is not None and self.recorder is not None:
+            self.post_forward[unit] = self._slices(self.full[unit] or ())
         self._forget(unit)
         self.full[unit] = None
+
+    def _slices(self, flats: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """This rank's 1/k of each gathered buffer, kept between forward and backward."""
+        k = self.post_forward_k
+        assert k is not None
+        index = self.layout.mesh.shard_rank % k
+        return tuple(f.detach().chunk(k)[index].clone() for f in flats)
 
     def _forget(self, unit: int) -> None:
         """Stop recognizing a released unit's buffers: the allocator may reuse their memory."""
@@ -366,16 +382,22 @@ class _Run:
         if unit not in self.backward_full:
             self.issue_backward(unit)
             self.backward_full[unit] = tuple(p.wait() for p in self.pending.pop(unit))
-            ran_before = self._ran_before(unit)
+            ran_before = self._ran_before(unit) if self.prefetch else None
             if ran_before is not None:
                 self.issue_backward(ran_before)
         return self.backward_full[unit]
 
     def issue_backward(self, unit: int) -> None:
+        """Start regathering a unit: from its k-rank slices, or from the full shard group."""
         if unit in self.backward_full or unit in self.pending:
             return
-        self.full[unit] = None
-        self.issue(unit)
+        slices = self.post_forward.pop(unit, None)
+        if slices is None:
+            self.full[unit] = None
+            self.issue(unit)
+            return
+        group = self.layout.mesh.post_forward_group(self.post_forward_k)
+        self.pending[unit] = tuple(collectives.all_gather(s, group) for s in slices)
 
     def _ran_before(self, unit: int) -> int | None:
         """The unit that ran just before `unit` in forward, if backward still needs it."""
@@ -394,6 +416,7 @@ class _Run:
                 p.wait()
         self.pending.clear()
         self.backward_full.clear()
+        self.post_forward.clear()
         self.full = [None] * len(self.full)
 
 
@@ -451,6 +474,7 @@ def call(
         with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
             target = model if method == "forward" else getattr(model, method)
             out = target(*args, **kwargs)
+        new_buffers = {fqn: _get_slot(slot) for slot, fqn in binding.buffer_slots}
     finally:
         for handle in hooks:
             handle.remove()

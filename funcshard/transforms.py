@@ -101,6 +101,8 @@ class UnshardHandle:
 def unshard_async(state: ShardedState, units: Sequence[str] | None = None) -> UnshardHandle:
     """Start `unshard`: issue every all-gather now and return a handle to wait on."""
     layout = state.layout
+    if isinstance(units, str):
+        units = (units,)
     indices = layout.flats_of(None if units is None else tuple(units))
     group = layout.mesh.shard_group
     device = layout.mesh.device
@@ -108,7 +110,8 @@ def unshard_async(state: ShardedState, units: Sequence[str] | None = None) -> Un
         (layout.flats[i], collectives.all_gather(state.shards[i].to(device), group))
         for i in indices
     )
-    return UnshardHandle(pending, dict(state.replicated) if units is None else {})
+    replicated = {f: t.clone() for f, t in state.replicated.items()} if units is None else {}
+    return UnshardHandle(pending, replicated)
 
 
 def reshard(state: ShardedState, full: Mapping[str, Tensor]) -> ShardedState:
@@ -237,7 +240,12 @@ def _model_problems(model: nn.Module, plan: Plan) -> str:
                     f"{fqn!r} is {tuple(p.shape)} {p.dtype} in the model but {shape} {dtype} "
                     f"in the plan. Plan the model after changing it."
                 )
-    not_float = [f for f, p in params.items() if not (p.is_floating_point() or p.is_complex())]
+    sharded = set(plan.fqns)  # ignored (replicated) parameters may be of any dtype
+    not_float = [
+        f
+        for f, p in params.items()
+        if f in sharded and not (p.is_floating_point() or p.is_complex())
+    ]
     if not_float:
         return (
             f"parameters {format_names(not_float)} are not floating point "
@@ -271,8 +279,11 @@ def _checksum(tensor: Tensor) -> tuple[int, int]:
 
     Integer sums wrap around, so the result does not depend on summation order.
     """
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
-    bits = tensor.detach().reshape(-1).view(ints).long()
+    flat = tensor.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    bits = flat.view(ints).long()
     weights = torch.arange(bits.numel(), device=bits.device) % 65521 + 1
     return int(bits.sum()), int((bits * weights).sum())
 
@@ -329,14 +340,18 @@ def _check_full(full: Mapping[str, Tensor], layout: Layout, state: ShardedState)
             f"{format_names(missing) or 'none'}; unexpected {format_names(unexpected) or 'none'}. "
             f"Pass every parameter, keyed as funcshard.unshard returns them."
         )
+    expected_of = {f: (tuple(t.shape), t.dtype) for f, t in state.replicated.items()}
     for flat in layout.flats:
-        for fqn, shape in zip(flat.fqns, flat.shapes, strict=True):
-            t = full[fqn]
-            if tuple(t.shape) != shape or t.dtype != flat.dtype:
-                raise ValueError(
-                    f"funcshard.reshard: {fqn!r} must be {shape} {flat.dtype}, got "
-                    f"{tuple(t.shape)} {t.dtype}."
-                )
+        expected_of.update(
+            {f: (s, flat.dtype) for f, s in zip(flat.fqns, flat.shapes, strict=True)}
+        )
+    for fqn, (shape, dtype) in expected_of.items():
+        t = full[fqn]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(
+                f"funcshard.reshard: {fqn!r} must be {shape} {dtype}, got "
+                f"{tuple(t.shape)} {t.dtype}."
+            )
 
 
 def _check_grads(grads: Mapping[str, Tensor | None], layout: Layout) -> None:

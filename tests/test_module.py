@@ -165,3 +165,27 @@ def test_call_leaves_a_module_registered_twice_intact():
         new["0.bias"],
     )
     assert torch.equal(out, expected)
+
+
+class _Counter(nn.Module):
+    """Updates its buffers by reassignment, not in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps = self.steps + 1
+        self.ema = 0.9 * self.ema + 0.1 * x.mean(0)
+        return x
+
+
+def test_mutable_call_keeps_buffers_updated_by_reassignment():
+    """Regression: buffers reassigned in forward were restored before being read back."""
+    model = _Counter()
+    params, buffers = fs.extract(model)
+    x = torch.tensor([[1.0, 3.0]])
+    _, new = fs.call(model, params, x, buffers=buffers, mutable=True)
+    assert new["steps"].item() == 1 and torch.allclose(new["ema"], torch.tensor([0.1, 0.3]))
+    assert buffers["steps"].item() == 0 and model.steps.item() == 0

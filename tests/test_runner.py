@@ -98,3 +98,22 @@ def test_every_rank_runs_single_threaded():
 
 def _num_threads(rank: int) -> int:
     return torch.get_num_threads()
+
+
+def _rank0_raises_rank1_waits(rank: int) -> None:
+    if rank == 0:
+        raise KeyError("the real problem")
+    dist.barrier()
+
+
+def test_a_timeout_keeps_the_exception_that_caused_it():
+    with pytest.raises(TimeoutError, match=r"Ranks \[0\] raised first") as info:
+        testing.run(_rank0_raises_rank1_waits, world_size=2, timeout=2)
+    cause = info.value.__cause__
+    assert isinstance(cause, KeyError) and "the real problem" in str(cause)
+
+
+def test_a_timeout_while_ranks_start_is_still_a_timeout_and_leaves_no_pool():
+    with pytest.raises(TimeoutError, match="did not finish"):  # no other test uses 5 ranks
+        testing.run(_pid, world_size=5, timeout=0.01)
+    assert testing.run(_num_threads, world_size=5) == [1] * 5

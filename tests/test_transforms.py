@@ -304,3 +304,47 @@ def test_a_state_is_a_pytree_for_optree_and_torch_whose_leaves_are_its_tensors()
     )[0]
     assert leaves_ok and same_order and mapped and torch_mapped and shard_numel
     assert repr_lines >= 3
+
+
+class _DataInit(nn.Module):
+    """Initializes through .data, which does not move the version counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.w.data.normal_()
+
+
+def _meta_data_init(rank: int) -> bool:
+    torch.manual_seed(3)
+    reference = _DataInit()
+    with torch.device("meta"):
+        meta = _DataInit()
+    state = fs.shard(meta, fs.plan(meta), fs.Mesh(shard=2), seed=3)
+    return torch.equal(fs.unshard(state)["w"], reference.w)
+
+
+def test_meta_init_through_data_counts_as_initialized():
+    """Regression: an init writing through .data was reported as never initialized."""
+    assert all(testing.run(_meta_data_init, world_size=2))
+
+
+def _odd_dtypes(rank: int) -> tuple:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.z = nn.Parameter(torch.randn(3, dtype=torch.complex128))
+    model.step = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+    plan = fs.plan(model, ignored=["step"])
+    state = fs.shard(model, plan, fs.Mesh(shard=2))
+    full = fs.unshard(state)
+    full["step"].add_(1)  # the caller's copy: the state is not written
+    root = fs.unshard(state, "")  # one unit named by a string
+    return torch.equal(full["z"], model.z), state.replicated["step"].tolist(), sorted(root)
+
+
+def test_complex_params_shard_and_ignored_params_may_be_integers():
+    same, step, root = testing.run(_odd_dtypes, world_size=2)[0]
+    assert same and step == [0, 0] and root == ["z"]

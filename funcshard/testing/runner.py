@@ -28,6 +28,7 @@ import multiprocessing as mp
 import multiprocessing.spawn
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
@@ -67,6 +68,10 @@ def run(
         return pool.run(fn, timeout)
     except (TimeoutError, RankDied):
         _POOLS.pop(key, None)
+        raise
+    except BaseException:
+        if not pool.alive():
+            _POOLS.pop(key, None)
         raise
 
 
@@ -133,7 +138,7 @@ class WorkerPool:
             ]
             ready = wait(waitables, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise self._timeout(name, timeout, pending)
+                raise self._timeout(name, timeout, pending, replies)
             for r in pending:
                 if self._conns[r] in ready or self._procs[r].sentinel in ready:
                     replies[r] = self._receive(name, r, replies)
@@ -148,17 +153,22 @@ class WorkerPool:
             pass
         raise self._died(name, rank, replies)
 
-    def _timeout(self, name: str, timeout: float, pending: list[int]) -> TimeoutError:
-        stacks = self._stacks(pending)
-        self.close(kill=True)
+    def _timeout(
+        self, name: str, timeout: float, pending: list[int], replies: dict[int, tuple[Any, ...]]
+    ) -> TimeoutError:
+        try:
+            stacks = self._stacks(pending)
+        finally:
+            self.close(kill=True)
         finished = [r for r in range(self.world_size) if r not in pending]
         where = "\n".join(f"--- rank {r} was waiting in:\n{stacks[r]}" for r in pending)
-        return TimeoutError(
+        error = TimeoutError(
             f"testing.run({name}, world_size={self.world_size}): ranks {pending} did not finish "
             f"within {timeout:g} s (finished: {finished}). A rank is usually stuck in a "
             f"collective that another rank never entered. The pool was killed; the next call "
-            f"starts a fresh one.\n{where}"
+            f"starts a fresh one.\n{where}{_raised_before(replies)}"
         )
+        return _with_rank_cause(error, replies, name, self.world_size)
 
     def _died(self, name: str, rank: int, replies: dict[int, tuple[Any, ...]]) -> RankDied:
         self._procs[rank].join(1.0)
@@ -166,12 +176,13 @@ class WorkerPool:
         self.close(kill=True)
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         finished = sorted(replies)
-        return RankDied(
+        error = RankDied(
             f"testing.run({name}, world_size={self.world_size}): rank {rank} died with {how} "
             f"(finished before it: {finished}). gloo aborts a process on mismatched collective "
             f"shapes; see the rank's stderr above. The pool was killed; the next call starts "
-            f"a fresh one."
+            f"a fresh one.{_raised_before(replies)}"
         )
+        return _with_rank_cause(error, replies, name, self.world_size)
 
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask each rank for its Python stack (faulthandler on SIGUSR1) and read it back."""
@@ -182,8 +193,11 @@ class WorkerPool:
         stacks = {}
         for r in ranks:
             path = os.path.join(self._stack_dir, f"rank{r}.stack")
-            with open(path) as f:
-                stacks[r] = f.read().strip() or "(no stack: the rank did not answer)"
+            try:
+                with open(path) as f:
+                    stacks[r] = f.read().strip() or "(no stack: the rank did not answer)"
+            except FileNotFoundError:
+                stacks[r] = "(no stack: the rank had not started yet)"
         return stacks
 
     def close(self, kill: bool = False) -> None:
@@ -197,6 +211,7 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)
+        shutil.rmtree(self._stack_dir, ignore_errors=True)
 
 
 _POOLS: dict[tuple[int, str], WorkerPool] = {}
@@ -241,6 +256,22 @@ def _dumps_task(fn: Callable[..., Any]) -> bytes:
             f"function, or functools.partial(fn, *args) with picklable arguments; lambdas and "
             f"nested functions do not pickle."
         ) from e
+
+
+def _raised_before(replies: dict[int, tuple[Any, ...]]) -> str:
+    """Name the ranks that raised before the call failed otherwise (their error is the cause)."""
+    raised = sorted(r for r, reply in replies.items() if reply[0] == "error")
+    return f"\nRanks {raised} raised first; see the cause above." if raised else ""
+
+
+def _with_rank_cause(
+    error: BaseException, replies: dict[int, tuple[Any, ...]], name: str, world_size: int
+) -> BaseException:
+    """Chain the first rank exception already received as the cause of a timeout or death."""
+    errors = {r: reply for r, reply in replies.items() if reply[0] == "error"}
+    if errors:
+        error.__cause__ = _rank_exception(errors, name, world_size)
+    return error
 
 
 def _rank_exception(

@@ -1,0 +1,307 @@
+"""Optimizers as pairs of pure functions, `(init, update)`, computed by torch's own kernels.
+
+[Note: optimizers]
+An optimizer is `Optimizer(init, update)` as in optax: `init(params)` builds its state,
+`update(grads, opt_state, params)` returns `(updates, new_opt_state)` and writes nothing, and
+`apply_updates(params, updates)` adds the updates. The arithmetic is torch.optim's functional
+kernels (`torch.optim.sgd.sgd`, `adam.adam`, `adamw.adamw`), run on copies of the parameters
+and moments, so after N steps the parameters match `torch.optim.SGD/Adam/AdamW` on the same
+tensors; the update is the difference of new and old parameters.
+
+Params are a ShardedState (its flat shards) or a dict of tensors; grads are the matching
+ShardedGrads or dict. Frozen buffers (None gradients) get None updates and no state. Padding
+stays zero: zero gradients and zero parameters give zero moments and zero updates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import adam as torch_adam
+from torch.optim import adamw as torch_adamw
+from torch.optim import sgd as torch_sgd
+
+from funcshard import collectives
+from funcshard.state import ShardedGrads, ShardedState
+from funcshard.tree import register_record
+
+LearningRate = float | Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """A gradient transformation: `init(params) -> state`, `update(grads, state, params)`."""
+
+    init: Callable[[Any], Any]
+    update: Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+@dataclass(frozen=True, eq=False)
+class SgdState:
+    """Step count and one momentum buffer per parameter leaf (None without momentum)."""
+
+    step: Tensor
+    momentum: tuple[Tensor | None, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class AdamState:
+    """Step count and the first and second moments per parameter leaf."""
+
+    step: Tensor
+    exp_avg: tuple[Tensor | None, ...]
+    exp_avg_sq: tuple[Tensor | None, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class ChainState:
+    """The states of chained transformations, in order."""
+
+    states: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class EmptyState:
+    """The state of a stateless transformation."""
+
+
+register_record(SgdState, data_fields=("step", "momentum"), meta_fields=())
+register_record(AdamState, data_fields=("step", "exp_avg", "exp_avg_sq"), meta_fields=())
+register_record(ChainState, data_fields=("states",), meta_fields=())
+register_record(EmptyState, data_fields=(), meta_fields=())
+
+
+def _param_leaves(params: Any) -> list[Tensor]:
+    if isinstance(params, ShardedState):
+        return list(params.shards)
+    if isinstance(params, Mapping):
+        return list(params.values())
+    raise TypeError(
+        f"funcshard.optim: params must be a ShardedState or a dict of tensors, got "
+        f"{type(params).__name__}."
+    )
+
+
+def _grad_leaves(grads: Any) -> list[Tensor | None]:
+    if isinstance(grads, ShardedGrads):
+        return list(grads.shards)
+    if isinstance(grads, Mapping):
+        return list(grads.values())
+    raise TypeError(
+        f"funcshard.optim: grads must be ShardedGrads or a dict of tensors, got "
+        f"{type(grads).__name__} (reduce LocalGrads with funcshard.reduce first)."
+    )
+
+
+def _like(grads: Any, leaves: list[Tensor | None]) -> Any:
+    """Put leaves back into the container type of `grads`."""
+    if isinstance(grads, ShardedGrads):
+        return ShardedGrads(shards=tuple(leaves), layout=grads.layout)
+    return dict(zip(grads.keys(), leaves, strict=True))
+
+
+def _lr_at(lr: LearningRate, step: int) -> float:
+    return float(lr(step)) if callable(lr) else float(lr)
+
+
+def _check_rates(where: str, lr: LearningRate, **rates: float) -> None:
+    if not callable(lr) and not (isinstance(lr, int | float) and lr >= 0):
+        raise ValueError(f"funcshard.optim.{where}: lr must be >= 0 or a callable, got {lr!r}.")
+    for name, value in rates.items():
+        if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"funcshard.optim.{where}: {name} must be >= 0, got {value!r}.")
+
+
+def sgd(
+    lr: LearningRate,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    dampening: float = 0.0,
+) -> Optimizer:
+    """Stochastic gradient descent with optional momentum, as `torch.optim.SGD`."""
+    _check_rates("sgd", lr, momentum=momentum, weight_decay=weight_decay, dampening=dampening)
+
+    def init(params: Any) -> SgdState:
+        return SgdState(step=torch.zeros(()), momentum=tuple(None for _ in _param_leaves(params)))
+
+    def update(grads: Any, state: SgdState, params: Any) -> tuple[Any, SgdState]:
+        step = state.step + 1
+        live = _live(grads, params)
+        new_params = [p.detach().clone() for _, p, _ in live]
+        buffers = [
+            None if state.momentum[i] is None else state.momentum[i].clone() for i, _, _ in live
+        ]
+        torch_sgd.sgd(
+            new_params,
+            [g for _, _, g in live],
+            buffers,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            lr=_lr_at(lr, int(step)),
+            dampening=dampening,
+            nesterov=nesterov,
+            maximize=False,
+        )
+        updates, momenta = _scatter(grads, params, live, new_params), list(state.momentum)
+        for (i, _, _), buf in zip(live, buffers, strict=True):
+            momenta[i] = buf if momentum else None
+        return updates, SgdState(step=step, momentum=tuple(momenta))
+
+    return Optimizer(init, update)
+
+
+def adam(
+    lr: LearningRate,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> Optimizer:
+    """Adam with L2 weight decay added to the gradient, as `torch.optim.Adam`."""
+    return _adam_family("adam", torch_adam.adam, lr, betas, eps, weight_decay)
+
+
+def adamw(
+    lr: LearningRate,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> Optimizer:
+    """Adam with decoupled weight decay, as `torch.optim.AdamW`."""
+    return _adam_family("adamw", torch_adamw.adamw, lr, betas, eps, weight_decay)
+
+
+def _adam_family(
+    name: str,
+    kernel: Callable[..., None],
+    lr: LearningRate,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> Optimizer:
+    _check_rates(name, lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+
+    def init(params: Any) -> AdamState:
+        leaves = _param_leaves(params)
+        return AdamState(
+            step=torch.zeros(()),
+            exp_avg=tuple(torch.zeros_like(p) for p in leaves),
+            exp_avg_sq=tuple(torch.zeros_like(p) for p in leaves),
+        )
+
+    def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
+        step = state.step + 1
+        live = _live(grads, params)
+        new_params = [p.detach().clone() for _, p, _ in live]
+        exp_avg = [state.exp_avg[i].clone() for i, _, _ in live]
+        exp_avg_sq = [state.exp_avg_sq[i].clone() for i, _, _ in live]
+        kernel(
+            new_params,
+            [g for _, _, g in live],
+            exp_avg,
+            exp_avg_sq,
+            [],
+            [state.step.clone() for _ in live],  # the kernel counts each one up to `step`
+            amsgrad=False,
+            beta1=betas[0],
+            beta2=betas[1],
+            lr=_lr_at(lr, int(step)),
+            weight_decay=weight_decay,
+            eps=eps,
+            maximize=False,
+        )
+        m, v = list(state.exp_avg), list(state.exp_avg_sq)
+        for (i, _, _), a, b in zip(live, exp_avg, exp_avg_sq, strict=True):
+            m[i], v[i] = a, b
+        updates = _scatter(grads, params, live, new_params)
+        return updates, AdamState(step=step, exp_avg=tuple(m), exp_avg_sq=tuple(v))
+
+    return Optimizer(init, update)
+
+
+def clip_by_global_norm(max_norm: float) -> Optimizer:
+    """Scale gradients so their global L2 norm is at most `max_norm`, as
+    `torch.nn.utils.clip_grad_norm_`. Communicates: one all-reduce of the squared norm over
+    the shard axis (replicas hold identical shards)."""
+    _check_rates("clip_by_global_norm", 0.0, max_norm=max_norm)
+
+    def init(params: Any) -> EmptyState:
+        return EmptyState()
+
+    def update(grads: Any, state: EmptyState, params: Any) -> tuple[Any, EmptyState]:
+        leaves = _grad_leaves(grads)
+        present = [g for g in leaves if g is not None]
+        if not present:
+            return grads, state
+        squares = torch.stack([g.float().square().sum() for g in present]).sum()
+        if isinstance(grads, ShardedGrads):
+            squares = collectives.all_reduce(squares, grads.layout.mesh.shard_group, "sum").wait()
+        scale = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+        return _like(grads, [None if g is None else g * scale.to(g.dtype) for g in leaves]), state
+
+    return Optimizer(init, update)
+
+
+def chain(*optimizers: Optimizer) -> Optimizer:
+    """Apply transformations in order, each to the updates of the one before."""
+
+    def init(params: Any) -> ChainState:
+        return ChainState(states=tuple(o.init(params) for o in optimizers))
+
+    def update(grads: Any, state: ChainState, params: Any) -> tuple[Any, ChainState]:
+        new_states = []
+        for optimizer, inner in zip(optimizers, state.states, strict=True):
+            grads, inner = optimizer.update(grads, inner, params)
+            new_states.append(inner)
+        return grads, ChainState(states=tuple(new_states))
+
+    return Optimizer(init, update)
+
+
+def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:
+    """Add `updates` to `params` (None updates leave a leaf unchanged).
+
+    `donate=True` adds in place into the old params' memory: the caller promises never to
+    read the old params again.
+    """
+    old = _param_leaves(params)
+    delta = _grad_leaves(updates)
+    if len(old) != len(delta):
+        raise ValueError(
+            f"funcshard.apply_updates: {len(delta)} updates for {len(old)} parameter leaves; "
+            f"pass the updates computed for these params."
+        )
+    new = [
+        p if u is None else (p.add_(u) if donate else p + u)
+        for p, u in zip(old, delta, strict=True)
+    ]
+    if isinstance(params, ShardedState):
+        return params.replace(shards=tuple(new))
+    return dict(zip(params.keys(), new, strict=True))
+
+
+def _live(grads: Any, params: Any) -> list[tuple[int, Tensor, Tensor]]:
+    """(index, param, grad) for every leaf that has a gradient."""
+    param_leaves, grad_leaves = _param_leaves(params), _grad_leaves(grads)
+    if len(param_leaves) != len(grad_leaves):
+        raise ValueError(
+            f"funcshard.optim: {len(grad_leaves)} gradient leaves for {len(param_leaves)} "
+            f"parameter leaves; pass the grads of these params."
+        )
+    return [
+        (i, p, g)
+        for i, (p, g) in enumerate(zip(param_leaves, grad_leaves, strict=True))
+        if g is not None
+    ]
+
+
+def _scatter(grads: Any, params: Any, live: list, new_params: list[Tensor]) -> Any:
+    updates: list[Tensor | None] = [None] * len(_param_leaves(params))
+    for (i, p, _), new in zip(live, new_params, strict=True):
+        updates[i] = new - p
+    return _like(grads, updates)

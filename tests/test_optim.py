@@ -1,0 +1,115 @@
+"""fs.optim against torch.optim on the same tensors, and its laws (pure, padding, frozen)."""
+
+import pytest
+import torch
+
+import funcshard as fs
+
+STEPS = 5
+
+
+def _problem(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    params = {"w": torch.randn(7, 5, generator=g), "b": torch.randn(5, generator=g)}
+    grads = [
+        {k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(STEPS)
+    ]
+    return params, grads
+
+
+def _torch_run(make, params, grads):
+    tensors = {k: v.clone().requires_grad_() for k, v in params.items()}
+    optimizer = make(list(tensors.values()))
+    for step_grads in grads:
+        for k, t in tensors.items():
+            t.grad = step_grads[k].clone()
+        optimizer.step()
+    return {k: v.detach() for k, v in tensors.items()}
+
+
+def _fs_run(opt, params, grads):
+    state = opt.init(params)
+    for step_grads in grads:
+        updates, state = opt.update(step_grads, state, params)
+        params = fs.apply_updates(params, updates)
+    return params
+
+
+CASES = [
+    (fs.optim.sgd(0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    (
+        fs.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
+    ),
+    (
+        fs.optim.sgd(0.05, momentum=0.9, nesterov=True),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+    ),
+    (
+        fs.optim.adam(1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+        lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+    ),
+    (
+        fs.optim.adamw(3e-3, eps=1e-3, weight_decay=0.05),
+        lambda p: torch.optim.AdamW(p, lr=3e-3, eps=1e-3, weight_decay=0.05),
+    ),
+]
+
+
+@pytest.mark.parametrize(("ours", "theirs"), CASES)
+def test_optimizers_match_torch_optim_after_several_steps(ours, theirs):
+    params, grads = _problem()
+    expected = _torch_run(theirs, params, grads)
+    got = _fs_run(ours, params, grads)
+    for k in params:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-6, atol=1e-7)
+
+
+def test_learning_rate_schedules_are_called_with_the_step():
+    seen = []
+    schedule = lambda step: seen.append(step) or 0.1 / step  # noqa: E731
+    params, grads = _problem()
+    got = _fs_run(fs.optim.sgd(schedule), params, grads)
+    assert seen == [1, 2, 3, 4, 5]
+    expected = dict(params)
+    for step, g in enumerate(grads, start=1):
+        expected = {k: expected[k] - 0.1 / step * g[k] for k in params}
+    for k in params:
+        torch.testing.assert_close(got[k], expected[k])
+
+
+def test_clip_by_global_norm_matches_clip_grad_norm_and_chains():
+    params, grads = _problem()
+    tensors = [v.clone().requires_grad_() for v in params.values()]
+    for t, g in zip(tensors, grads[0].values(), strict=True):
+        t.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(tensors, max_norm=0.5)
+    clipped, _ = fs.optim.clip_by_global_norm(0.5).update(grads[0], fs.optim.EmptyState(), params)
+    for t, c in zip(tensors, clipped.values(), strict=True):
+        torch.testing.assert_close(c, t.grad)
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(0.5), fs.optim.sgd(1.0))
+    updates, _ = opt.update(grads[0], opt.init(params), params)
+    for u, c in zip(updates.values(), clipped.values(), strict=True):
+        torch.testing.assert_close(u, -c)
+
+
+def test_update_is_pure_and_frozen_leaves_get_no_update():
+    params, grads = _problem()
+    step_grads = dict(grads[0], b=None)
+    opt = fs.optim.adamw(1e-2)
+    state = opt.init(params)
+    before = ({k: v.clone() for k, v in params.items()}, [t.clone() for t in state.exp_avg])
+    updates, new_state = opt.update(step_grads, state, params)
+    assert updates["b"] is None and updates["w"].ne(0).any()
+    assert all(torch.equal(params[k], before[0][k]) for k in params)
+    assert all(torch.equal(a, b) for a, b in zip(state.exp_avg, before[1], strict=True))
+    assert new_state.step.item() == 1 and state.step.item() == 0
+    new = fs.apply_updates(params, updates)
+    assert torch.equal(new["b"], params["b"])
+
+
+def test_bad_hyperparameters_are_named():
+    with pytest.raises(ValueError, match=r"optim\.adamw: eps must be >= 0, got -1"):
+        fs.optim.adamw(1e-3, eps=-1)
+    with pytest.raises(TypeError, match="grads must be ShardedGrads or a dict"):
+        fs.optim.sgd(0.1).update([torch.zeros(1)], fs.optim.sgd(0.1).init({}), {})
