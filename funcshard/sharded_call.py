@@ -405,7 +405,9 @@ class _Run:
             return None
         index = self.order.index(unit)
         earlier = self.order[index - 1] if index > 0 else None
-        if earlier is None or earlier in self.finished or earlier in self.backward_full:
+        if earlier is None or earlier in self.binding.whole_call:
+            return None  # whole-call units stay gathered through backward
+        if earlier in self.finished or earlier in self.backward_full:
             return None
         return earlier
 

@@ -1,0 +1,199 @@
+"""The sharded training step's communication, memory-relevant order, precision and edge cases."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcshard as fs
+from funcshard import collectives, testing
+from funcshard.testing.models import GPT, Block, GPTConfig
+
+BLOCKS = fs.policy.module_classes({Block})
+
+
+def _tokens(cfg: GPTConfig, batch: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def _loss(model, state, x, y):
+    return F.cross_entropy(fs.call(model, state, x).flatten(0, 1), y.flatten())
+
+
+def _one_step_trace(mesh_kwargs: dict, reshard, rank: int) -> list:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3))
+    state = fs.shard(
+        model, fs.plan(model, policy=BLOCKS), fs.Mesh(**mesh_kwargs), reshard_after_forward=reshard
+    )
+    x, y = _tokens(model.cfg, 2, seed=rank)
+    with collectives.record() as log:
+        fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
+    return [(r.op, len(r.ranks), r.numel, r.dtype) for r in log]  # each rank names its own group
+
+
+@pytest.mark.parametrize(
+    ("mesh_kwargs", "reshard", "world", "expected"),
+    [
+        # 4 units (3 blocks + root); the root stays gathered for the whole step
+        ({"shard": 2}, True, 2, {"all_gather": 4 + 3, "reduce_scatter": 4}),
+        ({"shard": 2}, False, 2, {"all_gather": 4, "reduce_scatter": 4}),
+        (
+            {"replicate": 2, "shard": 2},
+            True,
+            4,
+            {"all_gather": 7, "reduce_scatter": 4, "all_reduce": 4},
+        ),
+        ({"replicate": 2}, True, 2, {"all_reduce": 4}),  # DDP: gathers over a size-1 axis are free
+    ],
+)
+def test_one_step_communicates_exactly_the_formula_and_the_same_on_every_rank(
+    mesh_kwargs, reshard, world, expected
+):
+    traces = testing.run(functools.partial(_one_step_trace, mesh_kwargs, reshard), world_size=world)
+    assert all(t == traces[0] for t in traces), "ranks issued different collectives"
+    counts = {}
+    for op, *_ in traces[0]:
+        counts[op] = counts.get(op, 0) + 1
+    assert counts == expected
+
+
+def _k_trace(rank: int) -> list:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3))
+    state = fs.shard(
+        model, fs.plan(model, policy=BLOCKS), fs.Mesh(shard=4), reshard_after_forward=2
+    )
+    x, y = _tokens(model.cfg, 2, seed=rank)
+    with collectives.record() as log:
+        fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
+    return [(r.op, len(r.ranks)) for r in log]
+
+
+def test_reshard_to_k_regathers_backward_from_groups_of_k():
+    trace = testing.run(_k_trace, world_size=4)[0]
+    assert trace.count(("all_gather", 4)) == 4  # forward: every unit from the whole shard group
+    assert trace.count(("all_gather", 2)) == 3  # backward: the blocks, from their pair
+    assert trace.count(("reduce_scatter", 4)) == 4
+
+
+def _frozen_trace(rank: int) -> tuple:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2))
+    model.wpe.weight.requires_grad_(False)
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block, nn.Embedding}))
+    state = fs.shard(model, plan, fs.Mesh(shard=2))
+    x, y = _tokens(model.cfg, 2, seed=rank)
+    with collectives.record() as log:
+        _, grads = fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
+    wpe = next(f for f in state.layout.flats if f.unit == "wpe")
+    reduced_numels = [r.numel for r in log if r.op == "reduce_scatter"]
+    return wpe.padded_numel in reduced_numels, [
+        f.unit for f, g in zip(state.layout.flats, grads.shards, strict=True) if g is None
+    ]
+
+
+def test_frozen_units_are_never_reduced_and_get_no_grads():
+    reduced_frozen, no_grads = testing.run(_frozen_trace, world_size=2)[0]
+    assert not reduced_frozen and no_grads == ["wpe"]
+
+
+def _every_row_trains(world: int, rank: int) -> list:
+    cfg = GPTConfig(vocab_size=61)  # prime: does not divide 2, 3 or 4
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    state = fs.shard(model, fs.plan(model, policy=BLOCKS), fs.Mesh(shard=world))
+    x, y = _tokens(cfg, 4, seed=rank)
+    _, grads = fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
+    opt = fs.optim.sgd(1.0)
+    updates, _ = opt.update(grads, opt.init(state), state)
+    after = fs.unshard(fs.apply_updates(state, updates))["wte.weight"]
+    return (after != model.wte.weight).any(dim=1).tolist()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_row_of_a_tied_embedding_trains_when_the_vocab_does_not_divide(world):
+    """FSDP2 once left the last rank's rows of such an embedding untouched (pytorch#176076)."""
+    for rows in testing.run(functools.partial(_every_row_trains, world), world_size=world):
+        assert all(rows), [i for i, moved in enumerate(rows) if not moved]
+
+
+class Branchy(nn.Module):
+    """A model whose `extra` layer runs only when asked: unused in some micro-batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(6, 6)
+        self.extra = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        x = self.main(x)
+        return self.extra(x) if use_extra else x
+
+
+def _late_grads(local: bool, rank: int) -> tuple:
+    torch.manual_seed(0)
+    model = Branchy()
+    mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plan = fs.plan(model, policy=fs.policy.module_classes({nn.Linear}))
+    state = fs.shard(model, plan, fs.Mesh(shard=2), mp=mp)
+    g = torch.Generator().manual_seed(10 + rank)
+    batches = [(torch.randn(3, 6, generator=g), False), (torch.randn(3, 6, generator=g), True)]
+
+    def loss_fn(s, x, use_extra):
+        return fs.call(model, s, x, use_extra).float().square().mean()
+
+    total = None
+    with collectives.record() as log:
+        for x, use_extra in batches:
+            _, grads = fs.value_and_grad(loss_fn, reduce=not local)(state, x, use_extra)
+            total = grads if total is None else fs.accumulate(total, grads)
+        if local:
+            total = fs.reduce(state, total)
+    dtypes = {(r.op, r.dtype) for r in log}
+    return (
+        [s.dtype for s in total.shards],
+        [s.float().abs().sum().item() for s in total.shards],
+        dtypes,
+    )
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_bf16_params_fp32_reduce_accumulate_a_grad_that_first_appears_in_the_last_micro_batch(
+    local,
+):
+    """FSDP2 failed here (pytorch#196996): bf16 params, fp32 reduce, a late first gradient."""
+    dtypes, norms, comm = testing.run(functools.partial(_late_grads, local), world_size=2)[0]
+    assert dtypes == [torch.float32, torch.float32]  # master dtype
+    assert all(n > 0 for n in norms)
+    assert ("all_gather", torch.bfloat16) in comm and ("reduce_scatter", torch.float32) in comm
+
+
+def _generate(rank: int) -> bool:
+    torch.manual_seed(0)
+    model = GPT()
+    state = fs.shard(model, fs.plan(model, policy=BLOCKS), fs.Mesh(shard=2))
+    prompt = torch.tensor([[1, 2, 3]])
+    return torch.equal(
+        fs.call(model, state, prompt, 5, method="generate"), model.generate(prompt, 5)
+    )
+
+
+def test_call_on_a_state_runs_other_methods():
+    assert all(testing.run(_generate, world_size=2))
+
+
+def _wrong_model(rank: int) -> None:
+    torch.manual_seed(0)
+    model = GPT()
+    state = fs.shard(model, fs.plan(model, policy=BLOCKS), fs.Mesh(shard=2))
+    fs.call(GPT(GPTConfig(n_layer=3)), state, torch.tensor([[1, 2]]))
+
+
+def test_a_state_used_with_another_model_is_named():
+    with pytest.raises(ValueError, match=r"the state does not belong to this GPT: .*'blocks\.2\."):
+        testing.run(_wrong_model, world_size=2)
