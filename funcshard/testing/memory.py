@@ -1,0 +1,71 @@
+"""Count live tensor memory op by op, on any device (a TorchDispatchMode).
+
+Every tensor an op returns is tracked by its storage; a storage counts as live while any
+tracked tensor that uses it is alive. Tensors made before the mode started (a model's
+parameters, a sharded state) are not counted: measure them apart. Used by the memory tests
+and the benchmarks' "peak live tensor memory".
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class LiveTensors(TorchDispatchMode):
+    """Track live bytes of tensors created inside the mode; `peak` is the largest total seen.
+
+    `watch(predicate)` also counts, at each op, how many live storages were produced by ops
+    for which `predicate(func)` holds (e.g. all-gathers), in `peak_watched`.
+    """
+
+    def __init__(self, watch: Callable[[Any], bool] | None = None) -> None:
+        super().__init__()
+        self._users: dict[int, int] = {}  # storage data_ptr -> live tracked tensors using it
+        self._bytes: dict[int, int] = {}
+        self._watched: set[int] = set()
+        self._watch = watch
+        self.live = 0
+        self.peak = 0
+        self.peak_watched = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        watched = self._watch is not None and self._watch(func)
+        for t in optree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t, watched)
+        self.peak = max(self.peak, self.live)
+        self.peak_watched = max(self.peak_watched, len(self._watched))
+        return out
+
+    def _track(self, tensor: torch.Tensor, watched: bool) -> None:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0:
+            return
+        if ptr not in self._users:
+            self._users[ptr] = 0
+            self._bytes[ptr] = storage.nbytes()
+            self.live += storage.nbytes()
+        if watched:
+            self._watched.add(ptr)
+        self._users[ptr] += 1
+        weakref.finalize(tensor, self._release, ptr)
+
+    def _release(self, ptr: int) -> None:
+        self._users[ptr] -= 1
+        if self._users[ptr] == 0:
+            del self._users[ptr]
+            self.live -= self._bytes.pop(ptr)
+            self._watched.discard(ptr)
+
+
+def is_all_gather(func: Any) -> bool:
+    """True for the functional all-gather op that funcshard's gathers go through."""
+    return "all_gather_into_tensor" in str(func)
