@@ -13,6 +13,7 @@ This module only builds groups; every collective goes through `funcshard.collect
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -145,22 +146,22 @@ class Mesh:
         """Number of replicas of each shard."""
         return self.replicate
 
-    @property
+    @functools.cached_property
     def shard_rank(self) -> int:
         """This rank's index along the shard axis: which slice of each parameter it holds."""
         return self.device_mesh.get_local_rank("shard")
 
-    @property
+    @functools.cached_property
     def replicate_rank(self) -> int:
         """This rank's index along the replicate axis."""
         return self.device_mesh.get_local_rank("replicate")
 
-    @property
+    @functools.cached_property
     def shard_group(self) -> ProcessGroup:
         """The process group of the ranks that hold the other shards of this rank's params."""
         return self.device_mesh.get_group("shard")
 
-    @property
+    @functools.cached_property
     def replicate_group(self) -> ProcessGroup:
         """The process group of the ranks that hold the same shard as this rank."""
         return self.device_mesh.get_group("replicate")
@@ -179,7 +180,7 @@ class Mesh:
             )
         return _SUBMESHES[key].get_group("shard_inner")
 
-    @property
+    @functools.cached_property
     def group(self) -> ProcessGroup:
         """The process group of every rank in the mesh (for whole-mesh checks)."""
         if self.size == dist.get_world_size():

@@ -61,8 +61,10 @@ class Binding:
     unit_names: tuple[str, ...]
     unit_modules: tuple[nn.Module, ...]
     unit_flats: tuple[tuple[int, ...], ...]  # flat indices of each unit
-    param_slots: tuple[tuple[tuple[Slot, int, int, tuple[int, ...]], ...], ...]  # per unit:
-    # (slot, flat index, offset, shape) for every slot holding one of the unit's parameters
+    unit_params: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...]  # per unit, each
+    # parameter once, in flat order: (flat index, offset, shape)
+    param_slots: tuple[tuple[tuple[Slot, int, Tensor], ...], ...]  # per unit: (slot, index into
+    # unit_params, meta placeholder) for every slot holding one of the unit's parameters
     whole_call: frozenset[int]  # units gathered for the whole call
     replicated_slots: tuple[tuple[Slot, str], ...]
     buffer_slots: tuple[tuple[Slot, str], ...]
@@ -98,7 +100,7 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
             where[fqn] = (i, offset, shape)
     units = layout.units
     unit_of_flat = [units.index(flat.unit) for flat in layout.flats]
-    slots_by_unit: list[list[tuple[Slot, int, int, tuple[int, ...]]]] = [[] for _ in units]
+    slots_by_unit: list[list[tuple[Slot, str]]] = [[] for _ in units]
     crossing: set[int] = set()
     replicated, buffers, seen = [], [], set()
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -111,9 +113,7 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
                 flat_index, offset, shape = where[fqn]
                 unit = unit_of_flat[flat_index]
                 if (id(module), attr) not in seen:
-                    slots_by_unit[unit].append(
-                        (Slot(module, attr, True), flat_index, offset, shape)
-                    )
+                    slots_by_unit[unit].append((Slot(module, attr, True), fqn))
                 if not _inside(join_fqn(prefix, attr), units[unit]):
                     crossing.add(unit)
             seen.add((id(module), attr))
@@ -125,16 +125,29 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
     buffer_slots = tuple(
         (slot, first_buffer[id(getattr(slot.module, slot.attr))]) for slot, _ in buffers
     )
+    unit_flats = tuple(
+        tuple(i for i, u in enumerate(unit_of_flat) if u == k) for k in range(len(units))
+    )
+    unit_params = tuple(
+        tuple(where[f] for i in flats for f in layout.flats[i].fqns) for flats in unit_flats
+    )
+    param_slots = []
+    for flats, slots in zip(unit_flats, slots_by_unit, strict=True):
+        index = {f: k for k, f in enumerate(f for i in flats for f in layout.flats[i].fqns)}
+        param_slots.append(
+            tuple(
+                (slot, index[fqn], torch.empty(where[fqn][2], device="meta")) for slot, fqn in slots
+            )
+        )
     root = units.index("") if "" in units else None
     whole = frozenset(crossing | ({root} if root is not None else set()))
     return Binding(
         layout=layout,
         unit_names=units,
         unit_modules=tuple(model.get_submodule(u) for u in units),
-        unit_flats=tuple(
-            tuple(i for i, u in enumerate(unit_of_flat) if u == k) for k in range(len(units))
-        ),
-        param_slots=tuple(tuple(s) for s in slots_by_unit),
+        unit_flats=unit_flats,
+        unit_params=unit_params,
+        param_slots=tuple(param_slots),
         whole_call=whole,
         replicated_slots=tuple(replicated),
         buffer_slots=buffer_slots,
@@ -210,12 +223,17 @@ def gather_dtype(state: ShardedState, flat: FlatLayout) -> torch.dtype:
 
 
 class _Gather(torch.autograd.Function):
-    """Identity on a unit's gathered buffers whose backward reports their gradients."""
+    """Identity on a unit's gathered parameters whose backward reports their gradients.
+
+    Taking the parameters one by one (not the flat buffers they view) gives backward one
+    gradient per parameter, which `_Run.on_grad` concatenates once; slicing a flat buffer
+    would make autograd build and sum a full-size gradient per parameter instead.
+    """
 
     @staticmethod
-    def forward(ctx, anchor, run, unit, *flats):
+    def forward(ctx, anchor, run, unit, *params):
         ctx.run, ctx.unit = run, unit
-        return flats
+        return params
 
     @staticmethod
     def backward(ctx, *grads):
@@ -261,6 +279,7 @@ class _Run:
         self.recorder = recorder
         layout = state.layout
         self.full: list[tuple[Tensor, ...] | None] = [None] * len(binding.unit_names)
+        self.params: list[tuple[Tensor, ...] | None] = [None] * len(binding.unit_names)
         self.pending: dict[int, tuple[collectives.Pending, ...]] = {}
         self.order: list[int] = []
         self.storage_of: dict[int, tuple[int, int]] = {}  # data_ptr -> (unit, flat)
@@ -295,26 +314,34 @@ class _Run:
         )
 
     def gathered(self, unit: int) -> tuple[Tensor, ...]:
-        """Wait for a unit's buffers (issuing them if needed); differentiable when recording."""
-        if self.full[unit] is None:
+        """A unit's parameters, waiting for its buffers (issuing them if needed); they are
+        differentiable through `_Gather` when gradients are being recorded."""
+        if self.params[unit] is None:
             self.issue(unit)
             flats = tuple(p.wait() for p in self.pending.pop(unit))
+            position = {i: k for k, i in enumerate(self.binding.unit_flats[unit])}
+            params = tuple(
+                flats[position[i]][offset : offset + _numel(shape)].view(shape)
+                for i, offset, shape in self.binding.unit_params[unit]
+            )
             trainable = any(not self.layout.flats[i].frozen for i in self.binding.unit_flats[unit])
             if self.recorder is not None and trainable and torch.is_grad_enabled():
-                flats = _Gather.apply(self.recorder.anchor(), self, unit, *flats)
+                params = _Gather.apply(self.recorder.anchor(), self, unit, *params)
             for flat_index, flat in zip(self.binding.unit_flats[unit], flats, strict=True):
                 self.storage_of[flat.untyped_storage().data_ptr()] = (unit, flat_index)
             self.full[unit] = flats
-        return self.full[unit]
+            self.params[unit] = params
+        return self.params[unit]
 
     def enter(self, unit: int) -> None:
         """A unit's module is about to run: put its parameters in place, prefetch the next."""
-        flats = self.gathered(unit)
+        params = self.gathered(unit)
         self.order.append(unit)
         nxt = self.forward_next.get(unit) if self.prefetch else None
         if nxt is not None:
             self.issue(nxt)
-        self._swap_in(unit, flats)
+        for slot, index, _ in self.binding.param_slots[unit]:
+            _set_slot(slot, params[index])
 
     def leave(self, unit: int) -> None:
         """A unit's module has run: release its parameters until backward needs them."""
@@ -325,6 +352,7 @@ class _Run:
             self.post_forward[unit] = self._slices(self.full[unit] or ())
         self._forget(unit)
         self.full[unit] = None
+        self.params[unit] = None
 
     def _slices(self, flats: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """This rank's 1/k of each gathered buffer, kept between forward and backward."""
@@ -338,21 +366,26 @@ class _Run:
         for flat in self.full[unit] or ():
             self.storage_of.pop(flat.untyped_storage().data_ptr(), None)
 
-    def _swap_in(self, unit: int, flats: tuple[Tensor, ...]) -> None:
-        position = {i: k for k, i in enumerate(self.binding.unit_flats[unit])}
-        for slot, flat_index, offset, shape in self.binding.param_slots[unit]:
-            flat = flats[position[flat_index]]
-            numel = _numel(shape)
-            _set_slot(slot, flat[offset : offset + numel].view(shape))
-
     def _swap_out(self, unit: int) -> None:
-        for slot, _, _, shape in self.binding.param_slots[unit]:
-            _set_slot(slot, _placeholder(shape))
+        """Put meta placeholders in a unit's slots: a use outside its forward fails loudly."""
+        for slot, _, placeholder in self.binding.param_slots[unit]:
+            _set_slot(slot, placeholder)
 
     def on_grad(self, unit: int, grads: tuple[Tensor | None, ...]) -> None:
         """Autograd finished a unit's gradients: hand them on and drop its regathered copy."""
         assert self.recorder is not None  # _Gather only runs under a recorder
-        self.recorder.on_grad(self.binding.unit_flats[unit], grads)
+        flat_grads = []
+        for i in self.binding.unit_flats[unit]:
+            flat = self.layout.flats[i]
+            pieces = [
+                g.reshape(-1)
+                for (j, _, _), g in zip(self.binding.unit_params[unit], grads, strict=True)
+                if j == i
+            ]
+            if flat.padded_numel > flat.numel:
+                pieces.append(pieces[0].new_zeros(flat.padded_numel - flat.numel))
+            flat_grads.append(torch.cat(pieces))
+        self.recorder.on_grad(self.binding.unit_flats[unit], tuple(flat_grads))
         self.finished.add(unit)
         self.backward_full.pop(unit, None)
 
@@ -420,6 +453,7 @@ class _Run:
         self.backward_full.clear()
         self.post_forward.clear()
         self.full = [None] * len(self.full)
+        self.params = [None] * len(self.params)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -427,11 +461,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _placeholder(shape: tuple[int, ...]) -> Tensor:
-    """What a parameter slot holds outside its unit's forward: using it fails loudly."""
-    return torch.empty(shape, device="meta")
 
 
 def call(
@@ -489,8 +518,10 @@ def call(
         run.recorder.runs.append(run)
         if run.reshard:  # autograd keeps handles; only whole-call units stay gathered
             run.full = [f if u in binding.whole_call else None for u, f in enumerate(run.full)]
+            run.params = [p if u in binding.whole_call else None for u, p in enumerate(run.params)]
     else:
         run.full = [None] * len(run.full)
+        run.params = [None] * len(run.params)
     out = _cast_outputs(state, out)
     return (out, new_buffers) if mutable else out
 
@@ -520,7 +551,7 @@ def _post_hook(run: _Run, unit: int) -> Callable[..., None]:
 
 
 def _save_slots(binding: Binding) -> list[tuple[Slot, Tensor]]:
-    slots = [s for unit in binding.param_slots for s, *_ in unit]
+    slots = [slot for unit in binding.param_slots for slot, _, _ in unit]
     slots += [s for s, _ in binding.replicated_slots] + [s for s, _ in binding.buffer_slots]
     return [(slot, _get_slot(slot)) for slot in slots]
 

@@ -1,0 +1,91 @@
+"""Shared pieces of the benchmarks: timing, data and the three training steps compared."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcshard as fs
+from funcshard.testing.models import GPT, Block, GPTConfig
+
+
+def median_seconds(step: Callable[[], object], warmup: int, repeats: int) -> float:
+    """Median wall time of `step()` after `warmup` untimed calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def tokens(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """A single-process PyTorch training step (AdamW), the baseline."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        lm_loss(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def funcshard_step(
+    cfg: GPTConfig, mesh: fs.Mesh, x: torch.Tensor, y: torch.Tensor, **shard_options: object
+) -> Callable[[], None]:
+    """funcshard's step: a meta-built model sharded straight into local shards."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block}))
+    box = {"state": fs.shard(model, plan, mesh, **shard_options)}
+    opt = fs.optim.adamw(1e-3)
+    box["opt"] = opt.init(box["state"])
+
+    def loss_fn(state: fs.ShardedState) -> torch.Tensor:
+        return lm_loss(fs.call(model, state, x), y)
+
+    grad_fn = fs.value_and_grad(loss_fn)
+
+    def step() -> None:
+        _, grads = grad_fn(box["state"])
+        updates, box["opt"] = opt.update(grads, box["opt"], box["state"])
+        box["state"] = fs.apply_updates(box["state"], updates, donate=True)
+
+    return step
+
+
+def fsdp2_step(
+    model: nn.Module, mesh: object, x: torch.Tensor, y: torch.Tensor
+) -> Callable[[], None]:
+    """FSDP2: fully_shard on every block and the root, the way its docs apply it."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return plain_step(model, x, y)
+
+
+def ddp_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """DistributedDataParallel over the default process group."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return plain_step(DistributedDataParallel(model), x, y)
