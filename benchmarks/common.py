@@ -14,16 +14,24 @@ import funcshard as fs
 from funcshard.testing.models import GPT, Block, GPTConfig
 
 
-def median_seconds(step: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Median wall time of `step()` after `warmup` untimed calls."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def interleaved_medians(
+    steps: dict[str, Callable[[], object]], warmup: int, rounds: int
+) -> dict[str, float]:
+    """Median wall time of each step, timed in rotation (A, B, C, A, B, C, ...).
+
+    Rotating makes slow drifts of a shared machine hit every contender alike, so the ratios
+    hold even when the absolute times wander.
+    """
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def tokens(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -391,8 +391,8 @@ class _Run:
 
     # saved-tensor hooks: see [Note: per-unit gathering]
     def pack(self, tensor: Tensor) -> Any:
-        if not self.reshard:
-            return tensor
+        if not self.reshard or tensor._base is None:
+            return tensor  # gathered parameters are always views of their flat buffer
         owner = self.storage_of.get(tensor.untyped_storage().data_ptr())
         if owner is None or owner[0] in self.binding.whole_call:
             return tensor  # not a gathered buffer, or one kept for the whole step
