@@ -1,12 +1,18 @@
-"""Optimizers as pairs of pure functions, `(init, update)`, computed by torch's own kernels.
+"""Optimizers as pairs of pure functions, `(init, update)`, computed with torch's own math.
 
 [Note: optimizers]
 An optimizer is `Optimizer(init, update)` as in optax: `init(params)` builds its state,
 `update(grads, opt_state, params)` returns `(updates, new_opt_state)` and writes nothing, and
-`apply_updates(params, updates)` adds the updates. The arithmetic is torch.optim's functional
-kernels (`torch.optim.sgd.sgd`, `adam.adam`, `adamw.adamw`), run on copies of the parameters
-and moments, so after N steps the parameters match `torch.optim.SGD/Adam/AdamW` on the same
-tensors; the update is the difference of new and old parameters.
+`apply_updates(params, updates)` adds the updates. The arithmetic follows torch.optim's
+single-tensor kernels op for op (`torch.optim.sgd/adam/adamw`), one leaf at a time, so after N
+steps the parameters match `torch.optim.SGD/Adam/AdamW` on the same tensors (to rounding of
+the final addition) and temporaries never exceed one flat buffer.
+
+Purity costs memory: new moments are built beside the old ones. `update(..., donate=True)`
+gives that memory back, as buffer donation does in JAX: the moments are updated in place and
+the updates are written into the gradients' buffers, so the caller must not read the old
+opt_state or the grads again. With donation a step needs no more memory than torch.optim's
+in-place step.
 
 Params are a ShardedState (its flat shards) or a dict of tensors; grads are the matching
 ShardedGrads or dict. Frozen buffers (None gradients) get None updates and no state. Padding
@@ -22,9 +28,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim import adam as torch_adam
-from torch.optim import adamw as torch_adamw
-from torch.optim import sgd as torch_sgd
 
 from funcshard import collectives
 from funcshard.state import ShardedGrads, ShardedState
@@ -38,7 +41,7 @@ class Optimizer:
     """A gradient transformation: `init(params) -> state`, `update(grads, state, params)`."""
 
     init: Callable[[Any], Any]
-    update: Callable[[Any, Any, Any], tuple[Any, Any]]
+    update: Callable[..., tuple[Any, Any]]  # (grads, state, params, donate=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,28 +133,29 @@ def sgd(
     def init(params: Any) -> SgdState:
         return SgdState(step=torch.zeros(()), momentum=tuple(None for _ in _param_leaves(params)))
 
-    def update(grads: Any, state: SgdState, params: Any) -> tuple[Any, SgdState]:
+    def update(
+        grads: Any, state: SgdState, params: Any, donate: bool = False
+    ) -> tuple[Any, SgdState]:
         step = state.step + 1
-        live = _live(grads, params)
-        new_params = [p.detach().clone() for _, p, _ in live]
-        buffers = [
-            None if state.momentum[i] is None else state.momentum[i].clone() for i, _, _ in live
-        ]
-        torch_sgd.sgd(
-            new_params,
-            [g for _, _, g in live],
-            buffers,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            lr=_lr_at(lr, int(step)),
-            dampening=dampening,
-            nesterov=nesterov,
-            maximize=False,
-        )
-        updates, momenta = _scatter(grads, params, live, new_params), list(state.momentum)
-        for (i, _, _), buf in zip(live, buffers, strict=True):
-            momenta[i] = buf if momentum else None
-        return updates, SgdState(step=step, momentum=tuple(momenta))
+        rate = _lr_at(lr, int(step))
+        updates = [None] * len(state.momentum)
+        momenta = list(state.momentum)
+        for i, p, g in _live(grads, params):
+            # torch.optim.sgd's single-tensor kernel, writing the update instead of the param
+            if weight_decay:
+                g = g.add_(p, alpha=weight_decay) if donate else g.add(p, alpha=weight_decay)
+            if momentum:
+                buf = momenta[i]
+                if buf is None:
+                    buf = g.clone()
+                elif donate:
+                    buf.mul_(momentum).add_(g, alpha=1 - dampening)
+                else:
+                    buf = buf.mul(momentum).add_(g, alpha=1 - dampening)
+                momenta[i] = buf
+                g = g.add(buf, alpha=momentum) if nesterov else buf
+            updates[i] = g.mul_(-rate) if donate and g is not momenta[i] else g.mul(-rate)
+        return _like(grads, updates), SgdState(step=step, momentum=tuple(momenta))
 
     return Optimizer(init, update)
 
@@ -163,7 +167,7 @@ def adam(
     weight_decay: float = 0.0,
 ) -> Optimizer:
     """Adam with L2 weight decay added to the gradient, as `torch.optim.Adam`."""
-    return _adam_family("adam", torch_adam.adam, lr, betas, eps, weight_decay)
+    return _adam_family("adam", lr, betas, eps, weight_decay, decoupled=False)
 
 
 def adamw(
@@ -173,18 +177,19 @@ def adamw(
     weight_decay: float = 0.01,
 ) -> Optimizer:
     """Adam with decoupled weight decay, as `torch.optim.AdamW`."""
-    return _adam_family("adamw", torch_adamw.adamw, lr, betas, eps, weight_decay)
+    return _adam_family("adamw", lr, betas, eps, weight_decay, decoupled=True)
 
 
 def _adam_family(
     name: str,
-    kernel: Callable[..., None],
     lr: LearningRate,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    decoupled: bool,
 ) -> Optimizer:
     _check_rates(name, lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+    beta1, beta2 = betas
 
     def init(params: Any) -> AdamState:
         leaves = _param_leaves(params)
@@ -194,32 +199,31 @@ def _adam_family(
             exp_avg_sq=tuple(torch.zeros_like(p) for p in leaves),
         )
 
-    def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
+    def update(
+        grads: Any, state: AdamState, params: Any, donate: bool = False
+    ) -> tuple[Any, AdamState]:
         step = state.step + 1
-        live = _live(grads, params)
-        new_params = [p.detach().clone() for _, p, _ in live]
-        exp_avg = [state.exp_avg[i].clone() for i, _, _ in live]
-        exp_avg_sq = [state.exp_avg_sq[i].clone() for i, _, _ in live]
-        kernel(
-            new_params,
-            [g for _, _, g in live],
-            exp_avg,
-            exp_avg_sq,
-            [],
-            [state.step.clone() for _ in live],  # the kernel counts each one up to `step`
-            amsgrad=False,
-            beta1=betas[0],
-            beta2=betas[1],
-            lr=_lr_at(lr, int(step)),
-            weight_decay=weight_decay,
-            eps=eps,
-            maximize=False,
-        )
-        m, v = list(state.exp_avg), list(state.exp_avg_sq)
-        for (i, _, _), a, b in zip(live, exp_avg, exp_avg_sq, strict=True):
-            m[i], v[i] = a, b
-        updates = _scatter(grads, params, live, new_params)
-        return updates, AdamState(step=step, exp_avg=tuple(m), exp_avg_sq=tuple(v))
+        n = int(step)
+        rate = _lr_at(lr, n)
+        step_size = rate / (1 - beta1**n)
+        bias_correction2_sqrt = (1 - beta2**n) ** 0.5
+        updates = [None] * len(state.exp_avg)
+        m_all, v_all = list(state.exp_avg), list(state.exp_avg_sq)
+        for i, p, g in _live(grads, params):
+            # torch.optim.adam's single-tensor kernel, writing the update instead of the param
+            if weight_decay and not decoupled:
+                g = g.add_(p, alpha=weight_decay) if donate else g.add(p, alpha=weight_decay)
+            m = m_all[i] if donate else m_all[i].clone()
+            v = v_all[i] if donate else v_all[i].clone()
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            update = torch.div(m, denom, out=g if donate else denom).mul_(-step_size)
+            if weight_decay and decoupled:
+                update.add_(p, alpha=-rate * weight_decay)
+            updates[i], m_all[i], v_all[i] = update, m, v
+        new_state = AdamState(step=step, exp_avg=tuple(m_all), exp_avg_sq=tuple(v_all))
+        return _like(grads, updates), new_state
 
     return Optimizer(init, update)
 
@@ -233,7 +237,9 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
     def init(params: Any) -> EmptyState:
         return EmptyState()
 
-    def update(grads: Any, state: EmptyState, params: Any) -> tuple[Any, EmptyState]:
+    def update(
+        grads: Any, state: EmptyState, params: Any, donate: bool = False
+    ) -> tuple[Any, EmptyState]:
         leaves = _grad_leaves(grads)
         present = [g for g in leaves if g is not None]
         if not present:
@@ -242,7 +248,11 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         if isinstance(grads, ShardedGrads):
             squares = collectives.all_reduce(squares, grads.layout.mesh.shard_group, "sum").wait()
         scale = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
-        return _like(grads, [None if g is None else g * scale.to(g.dtype) for g in leaves]), state
+        scaled = [
+            None if g is None else (g.mul_(scale.to(g.dtype)) if donate else g * scale.to(g.dtype))
+            for g in leaves
+        ]
+        return _like(grads, scaled), state
 
     return Optimizer(init, update)
 
@@ -253,10 +263,12 @@ def chain(*optimizers: Optimizer) -> Optimizer:
     def init(params: Any) -> ChainState:
         return ChainState(states=tuple(o.init(params) for o in optimizers))
 
-    def update(grads: Any, state: ChainState, params: Any) -> tuple[Any, ChainState]:
+    def update(
+        grads: Any, state: ChainState, params: Any, donate: bool = False
+    ) -> tuple[Any, ChainState]:
         new_states = []
         for optimizer, inner in zip(optimizers, state.states, strict=True):
-            grads, inner = optimizer.update(grads, inner, params)
+            grads, inner = optimizer.update(grads, inner, params, donate=donate)
             new_states.append(inner)
         return grads, ChainState(states=tuple(new_states))
 
@@ -298,10 +310,3 @@ def _live(grads: Any, params: Any) -> list[tuple[int, Tensor, Tensor]]:
         for i, (p, g) in enumerate(zip(param_leaves, grad_leaves, strict=True))
         if g is not None
     ]
-
-
-def _scatter(grads: Any, params: Any, live: list, new_params: list[Tensor]) -> Any:
-    updates: list[Tensor | None] = [None] * len(_param_leaves(params))
-    for (i, p, _), new in zip(live, new_params, strict=True):
-        updates[i] = new - p
-    return _like(grads, updates)

@@ -186,6 +186,7 @@ class GradRecorder:
         self.runs: list[_Run] = []
         self.pending: list[list[collectives.Pending]] = [[] for _ in state.layout.flats]
         self.local: list[Tensor | None] = [None] * len(state.layout.flats)
+        self.in_flight: collectives.Pending | None = None
 
     def anchor(self) -> Tensor:
         anchor = torch.zeros(0, requires_grad=True)
@@ -201,9 +202,12 @@ class GradRecorder:
                 continue
             grad = grad.to(reduce_dtype(self.state, flat))
             if self.reduce:
-                self.pending[i].append(
-                    collectives.reduce_scatter(grad, layout.mesh.shard_group, "avg")
-                )
+                # One reduce-scatter in flight at a time: waiting for the previous one frees
+                # its full-size input, so backward never holds every unit's full gradients.
+                if self.in_flight is not None:
+                    self.in_flight.wait()
+                self.in_flight = collectives.reduce_scatter(grad, layout.mesh.shard_group, "avg")
+                self.pending[i].append(self.in_flight)
             else:
                 self.local[i] = grad if self.local[i] is None else self.local[i] + grad
 

@@ -113,3 +113,16 @@ def test_bad_hyperparameters_are_named():
         fs.optim.adamw(1e-3, eps=-1)
     with pytest.raises(TypeError, match="grads must be ShardedGrads or a dict"):
         fs.optim.sgd(0.1).update([torch.zeros(1)], fs.optim.sgd(0.1).init({}), {})
+
+
+@pytest.mark.parametrize(("ours", "theirs"), CASES)
+def test_donating_gives_the_same_numbers_and_writes_the_moments_in_place(ours, theirs):
+    params, grads = _problem()
+    kept = _fs_run(ours, params, grads)
+    state = ours.init(params)
+    for step_grads in grads:
+        donated = {k: g.clone() for k, g in step_grads.items()}
+        updates, state = ours.update(donated, state, params, donate=True)
+        params = fs.apply_updates(params, updates, donate=False)
+    for k in params:
+        torch.testing.assert_close(params[k], kept[k], rtol=0, atol=0)

@@ -1,9 +1,11 @@
 """Count live tensor memory op by op, on any device (a TorchDispatchMode).
 
 Every tensor an op returns is tracked by its storage; a storage counts as live while any
-tracked tensor that uses it is alive. Tensors made before the mode started (a model's
-parameters, a sharded state) are not counted: measure them apart. Used by the memory tests
-and the benchmarks' "peak live tensor memory".
+tracked tensor that uses it is alive. Storages are keyed by their C++ identity, and resizes of
+tracked storages (`untyped_storage().resize_`, which FSDP2 uses to free and regrow gathered
+parameters, and which no dispatch mode sees) are counted too. Tensors made before the mode
+started are not counted unless adopted. Used by the memory tests and the benchmarks' "peak
+live tensor memory".
 """
 
 from __future__ import annotations
@@ -26,13 +28,36 @@ class LiveTensors(TorchDispatchMode):
 
     def __init__(self, watch: Callable[[Any], bool] | None = None) -> None:
         super().__init__()
-        self._users: dict[int, int] = {}  # storage data_ptr -> live tracked tensors using it
+        self._users: dict[int, int] = {}  # storage identity -> live tracked tensors using it
         self._bytes: dict[int, int] = {}
         self._watched: set[int] = set()
         self._watch = watch
         self.live = 0
         self.peak = 0
         self.peak_watched = 0
+
+    def __enter__(self) -> LiveTensors:
+        self._original_resize = torch.UntypedStorage.resize_
+        mode = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+            before = storage.nbytes()
+            out = mode._original_resize(storage, size)
+            mode._resized(storage._cdata, storage.nbytes() - before)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        torch.UntypedStorage.resize_ = self._original_resize
+        super().__exit__(*exc)
+
+    def _resized(self, key: int, delta: int) -> None:
+        if key in self._users:
+            self._bytes[key] += delta
+            self.live += delta
+            self.peak = max(self.peak, self.live)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -44,11 +69,20 @@ class LiveTensors(TorchDispatchMode):
         self.peak_watched = max(self.peak_watched, len(self._watched))
         return out
 
+    def adopt(self, tree: Any) -> None:
+        """Count tensors made before the mode started (parameters, optimizer state) as live,
+        and see when they are freed."""
+        for t in optree.tree_leaves(tree, none_is_leaf=False):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t, watched=False)
+        self.peak = max(self.peak, self.live)
+
     def _track(self, tensor: torch.Tensor, watched: bool) -> None:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr == 0:
-            return
+        try:
+            storage = tensor.untyped_storage()
+            ptr = storage._cdata
+        except (RuntimeError, NotImplementedError):
+            return  # a wrapper without storage of its own (e.g. FSDP2's parameter wrappers)
         if ptr not in self._users:
             self._users[ptr] = 0
             self._bytes[ptr] = storage.nbytes()
