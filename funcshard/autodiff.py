@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives
-from funcshard.sharded_call import GradRecorder, recording, reduce_dtype
+from funcshard.sharded_call import GradRecorder, Prefetch, recording, reduce_dtype
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState
 from funcshard.transforms import _views
 
@@ -26,22 +26,23 @@ def value_and_grad(
     has_aux: bool = False,
     reduce: bool = True,
     all_reduce: bool = True,
-    prefetch: bool = True,
+    prefetch: bool | Prefetch = True,
 ) -> Callable[..., tuple[Any, Any]]:
     """Return a function computing `f(params, *args)` and its gradient w.r.t. `params`.
 
     `params` is a ShardedState (grads come back as ShardedGrads, reduced to this rank's shard
     of the mean over data-parallel ranks) or a plain dict (plain autograd; frozen parameters
     get None). `reduce=False` returns LocalGrads instead; `all_reduce=False` skips the HSDP
-    all-reduce across replicas. With `has_aux`, `f` returns `(loss, aux)`.
+    all-reduce across replicas. `prefetch` is True, False or a `funcshard.Prefetch` with
+    explicit unit orders. With `has_aux`, `f` returns `(loss, aux)`.
     Communicates (sharded): per unit one all-gather in forward, one more in backward when
     resharded after forward, and one reduce-scatter; one all-reduce per unit on HSDP meshes.
     """
-    if prefetch not in (True, False):
-        raise NotImplementedError(
-            "funcshard.value_and_grad: prefetch takes True (the default: the next unit in "
-            "plan order in forward, the unit that ran before in backward) or False; explicit "
-            "orders are not implemented yet."
+    if not isinstance(prefetch, bool | Prefetch):
+        raise TypeError(
+            f"funcshard.value_and_grad: prefetch must be True (the next unit in plan order in "
+            f"forward, the one that ran before in backward), False, or funcshard.Prefetch(...) "
+            f"with explicit orders; got {type(prefetch).__name__}."
         )
 
     @functools.wraps(f)

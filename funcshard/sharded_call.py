@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -169,6 +170,19 @@ def _get_slot(slot: Slot) -> Tensor:
     return store[slot.attr]
 
 
+@dataclass(frozen=True)
+class Prefetch:
+    """Explicit prefetch orders, by unit name ("" is the root).
+
+    When a unit starts in forward, the unit after it in `forward` has its all-gather issued;
+    when a unit is regathered in backward, the unit after it in `backward` is. `None` keeps
+    the default for that direction: plan order in forward, reverse run order in backward.
+    """
+
+    forward: tuple[str, ...] | None = None
+    backward: tuple[str, ...] | None = None
+
+
 class GradRecorder:
     """Collects, during one differentiated call, each unit's gradient as it is produced.
 
@@ -176,7 +190,11 @@ class GradRecorder:
     """
 
     def __init__(
-        self, state: ShardedState, reduce: bool, all_reduce: bool, prefetch: bool = True
+        self,
+        state: ShardedState,
+        reduce: bool,
+        all_reduce: bool,
+        prefetch: bool | Prefetch = True,
     ) -> None:
         self.state = state
         self.prefetch = prefetch
@@ -293,11 +311,26 @@ class _Run:
         k = state.reshard_after_forward
         self.post_forward_k = k if not isinstance(k, bool) and k < layout.mesh.shard_size else None
         self.post_forward: dict[int, tuple[Tensor, ...]] = {}  # unit -> this rank's 1/k slices
-        self.prefetch = recorder.prefetch if recorder is not None else True
-        self.forward_next = {
-            u: nxt for u, nxt in zip(self._sharded_units(), self._sharded_units()[1:], strict=False)
-        }
         self.layout = layout
+        prefetch = recorder.prefetch if recorder is not None else True
+        self.prefetch = prefetch is not False
+        explicit = prefetch if isinstance(prefetch, Prefetch) else Prefetch()
+        forward = self._units_named(explicit.forward) if explicit.forward is not None else None
+        self.forward_next = _successors(forward or self._sharded_units())
+        self.backward_next = (
+            _successors(self._units_named(explicit.backward))
+            if explicit.backward is not None
+            else None
+        )
+
+    def _units_named(self, names: tuple[str, ...]) -> list[int]:
+        unknown = [n for n in names if n not in self.binding.unit_names]
+        if unknown:
+            raise ValueError(
+                f"funcshard.value_and_grad: prefetch names {unknown}, which are not units of "
+                f"this state; its units are {list(self.binding.unit_names)} ('' is the root)."
+            )
+        return [self.binding.unit_names.index(n) for n in names]
 
     def _sharded_units(self) -> list[int]:
         return [u for u in range(len(self.binding.unit_names)) if u not in self.binding.whole_call]
@@ -419,9 +452,9 @@ class _Run:
         if unit not in self.backward_full:
             self.issue_backward(unit)
             self.backward_full[unit] = tuple(p.wait() for p in self.pending.pop(unit))
-            ran_before = self._ran_before(unit) if self.prefetch else None
-            if ran_before is not None:
-                self.issue_backward(ran_before)
+            nxt = self._backward_next(unit) if self.prefetch else None
+            if nxt is not None:
+                self.issue_backward(nxt)
         return self.backward_full[unit]
 
     def issue_backward(self, unit: int) -> None:
@@ -436,12 +469,15 @@ class _Run:
         group = self.layout.mesh.post_forward_group(self.post_forward_k)
         self.pending[unit] = tuple(collectives.all_gather(s, group) for s in slices)
 
-    def _ran_before(self, unit: int) -> int | None:
-        """The unit that ran just before `unit` in forward, if backward still needs it."""
-        if unit not in self.order:
-            return None
-        index = self.order.index(unit)
-        earlier = self.order[index - 1] if index > 0 else None
+    def _backward_next(self, unit: int) -> int | None:
+        """The unit to regather next: the explicit order's, or the one that ran just before
+        `unit` in forward, if backward still needs it."""
+        if self.backward_next is not None:
+            earlier = self.backward_next.get(unit)
+        elif unit in self.order and self.order.index(unit) > 0:
+            earlier = self.order[self.order.index(unit) - 1]
+        else:
+            earlier = None
         if earlier is None or earlier in self.binding.whole_call:
             return None  # whole-call units stay gathered through backward
         if earlier in self.finished or earlier in self.backward_full:
@@ -458,6 +494,10 @@ class _Run:
         self.post_forward.clear()
         self.full = [None] * len(self.full)
         self.params = [None] * len(self.params)
+
+
+def _successors(order: list[int]) -> dict[int, int]:
+    return dict(itertools.pairwise(order))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

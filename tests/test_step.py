@@ -197,3 +197,42 @@ def _wrong_model(rank: int) -> None:
 def test_a_state_used_with_another_model_is_named():
     with pytest.raises(ValueError, match=r"the state does not belong to this GPT: .*'blocks\.2\."):
         testing.run(_wrong_model, world_size=2)
+
+
+def _explicit_prefetch_trace(rank: int) -> tuple:
+    from funcshard import sharded_call
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3))
+    state = fs.shard(model, fs.plan(model, policy=BLOCKS), fs.Mesh(shard=2))
+    x, y = _tokens(model.cfg, 2, seed=rank)
+    issued = []
+    original = sharded_call._Run.issue
+
+    def logged(run, unit):
+        if run.full[unit] is None and unit not in run.pending:
+            issued.append(run.binding.unit_names[unit])
+        return original(run, unit)
+
+    order = fs.Prefetch(forward=("blocks.0", "blocks.2"), backward=("blocks.2", "blocks.0"))
+    sharded_call._Run.issue = logged
+    try:
+        loss, _ = fs.value_and_grad(functools.partial(_loss, model), prefetch=order)(state, x, y)
+    finally:
+        sharded_call._Run.issue = original
+    expected_loss = fs.value_and_grad(functools.partial(_loss, model))(state, x, y)[0]
+    try:
+        bad = fs.Prefetch(forward=("b9",))
+        fs.value_and_grad(functools.partial(_loss, model), prefetch=bad)(state, x, y)
+    except ValueError as e:
+        error = str(e)
+    return issued, torch.equal(loss, expected_loss), error
+
+
+def test_explicit_prefetch_orders_decide_what_is_gathered_next():
+    issued, same_loss, error = testing.run(_explicit_prefetch_trace, world_size=2)[0]
+    # forward: root, blocks.0 (which prefetches blocks.2), blocks.1 on demand; backward:
+    # blocks.2 (prefetching blocks.0), blocks.1 on demand
+    assert issued == ["", "blocks.0", "blocks.2", "blocks.1", "blocks.2", "blocks.0", "blocks.1"]
+    assert same_loss
+    assert "prefetch names ['b9'], which are not units of this state" in error
