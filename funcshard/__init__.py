@@ -16,6 +16,7 @@ from funcshard.plan import Plan as Plan
 from funcshard.plan import Unit as Unit
 from funcshard.plan import plan as plan
 from funcshard.precision import MixedPrecision as MixedPrecision
+from funcshard.replicate import replicate as replicate
 from funcshard.sharded_call import Prefetch as Prefetch
 from funcshard.sharded_call import call as call
 from funcshard.state import LocalGrads as LocalGrads
@@ -47,6 +48,7 @@ __all__ = [
     "plan",
     "policy",
     "reduce",
+    "replicate",
     "reshard",
     "shard",
     "shutdown",

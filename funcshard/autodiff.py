@@ -88,8 +88,10 @@ def _sharded_value_and_grad(f, has_aux, recorder, args, kwargs):
     try:
         with recording(recorder):
             loss, aux = _split(f(state, *args, **kwargs), has_aux, "value_and_grad")
-        if recorder.anchors and loss.requires_grad:
-            torch.autograd.grad(loss, recorder.anchors, allow_unused=True)
+        if recorder.leaves and loss.requires_grad:
+            torch.autograd.backward(loss, inputs=recorder.leaves)
+        for run in recorder.runs:
+            run.flush()
     finally:
         for run in recorder.runs:
             run.finish()
@@ -126,12 +128,12 @@ def _finish(recorder: GradRecorder) -> ShardedGrads | LocalGrads:
                 torch.zeros(flat.shard_numel, dtype=reduce_dtype(state, flat), device=mesh.device)
             ]
         summed.append(functools.reduce(torch.add, parts))
-    if recorder.all_reduce:
+    if recorder.all_reduce:  # across replicas, unless a bucket did so already in backward
         across = [
-            None if s is None else collectives.all_reduce(s, mesh.replicate_group, "avg")
-            for s in summed
+            None if s is None or done else collectives.all_reduce(s, mesh.replicate_group, "avg")
+            for s, done in zip(summed, recorder.all_reduced, strict=True)
         ]
-        summed = [None if p is None else p.wait() for p in across]
+        summed = [s if p is None else p.wait() for s, p in zip(summed, across, strict=True)]
     shards = tuple(
         None if s is None else s.to(flat.dtype)
         for s, flat in zip(summed, layout.flats, strict=True)

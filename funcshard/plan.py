@@ -26,7 +26,7 @@ import torch
 from tabulate import tabulate
 from torch import nn
 
-from funcshard.policy import Policy, module_classes
+from funcshard.policy import Buckets, Policy, module_classes
 from funcshard.tree import format_names, join_fqn
 
 
@@ -119,6 +119,13 @@ def plan(
     precision off. `frozen="error"` rejects a unit that mixes frozen and trainable parameters;
     `"warn"` allows it with a warning.
     """
+    if isinstance(policy, Buckets):
+        if keep_fp32:
+            raise ValueError(
+                "funcshard.plan: keep_fp32 applies to module units; bucket plans hold "
+                "parameters, not modules. Drop keep_fp32 or use a module policy."
+            )
+        return _bucket_plan(model, policy, ignored)
     if policy is not None and not callable(policy):
         raise TypeError(
             f"funcshard.plan: policy must be callable (module, fqn, unowned_numel) -> bool or "
@@ -162,6 +169,37 @@ def plan(
             UserWarning,
             stacklevel=2,
         )
+    ignored_fqns = tuple(first_fqn[pid] for pid in order if pid in ignored_params)
+    return Plan(units=tuple(units), ignored=ignored_fqns)
+
+
+def _bucket_plan(
+    model: nn.Module, policy: Buckets, ignored: Iterable[nn.Module | nn.Parameter | str]
+) -> Plan:
+    """DDP's buckets as units: see `funcshard.policy.buckets`. Frozen parameters form one
+    unit of their own (never reduced); unit names are in angle brackets, which no module FQN
+    can contain."""
+    _, ignored_params = _resolve_ignored(model, ignored)
+    first_fqn = {id(p): name for name, p in model.named_parameters()}
+    order = {pid: i for i, pid in enumerate(first_fqn)}
+    params = {id(p): p for p in model.parameters() if id(p) not in ignored_params}
+    trainable = [(pid, p) for pid, p in params.items() if p.requires_grad]
+    frozen = {pid: p for pid, p in params.items() if not p.requires_grad}
+    units: list[Unit] = []
+    current: dict[int, nn.Parameter] = {}
+    size = 0
+    for pid, p in reversed(trainable):
+        cap = (policy.first_bucket_mb if not units else policy.bucket_mb) * 2**20
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > cap:
+            units.append(_unit(f"<bucket {len(units)}>", current, first_fqn, order, False, "error"))
+            current, size = {}, 0
+        current[pid] = p
+        size += nbytes
+    if current:
+        units.append(_unit(f"<bucket {len(units)}>", current, first_fqn, order, False, "error"))
+    if frozen:
+        units.append(_unit("<frozen>", frozen, first_fqn, order, False, "error"))
     ignored_fqns = tuple(first_fqn[pid] for pid in order if pid in ignored_params)
     return Plan(units=tuple(units), ignored=ignored_fqns)
 

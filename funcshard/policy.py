@@ -60,6 +60,27 @@ class AnyOf:
         return any(p(module, fqn, unowned_numel) for p in self.policies)
 
 
+@dataclass(frozen=True)
+class Buckets:
+    """Units of parameters, not modules: DDP's gradient buckets (see `buckets`)."""
+
+    bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_mb", "first_bucket_mb"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"policy.buckets: {name} must be positive, got {value!r}.")
+
+
+def buckets(bucket_mb: float = 25.0, first_bucket_mb: float = 1.0) -> Buckets:
+    """Trainable parameters packed, in reverse registration order (the order their gradients
+    become ready), into buckets of at most `bucket_mb` MiB, the first at most
+    `first_bucket_mb`; a parameter larger than its cap gets a bucket of its own."""
+    return Buckets(bucket_mb, first_bucket_mb)
+
+
 def module_classes(classes: Iterable[type[nn.Module]]) -> ModuleClasses:
     """A unit for every module of these classes, e.g. `module_classes({Block})`."""
     ordered = sorted(set(classes), key=lambda c: getattr(c, "__qualname__", repr(c)))

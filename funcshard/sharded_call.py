@@ -10,12 +10,14 @@ parameters are also used from outside its own module (a tied weight across units
 gathered for the whole call. Outside its unit's forward a parameter slot holds a meta
 placeholder, so code that touches it there fails loudly instead of reading stale values.
 
-Differentiation: inside `funcshard.value_and_grad`, each gathered unit passes through
-`_Gather`, an autograd function of a zero-size per-call *anchor* that returns the gathered
-buffers unchanged. Autograd runs its backward exactly when the unit's whole gradient is
-known, and there the gradient's reduce-scatter is issued asynchronously and recorded; the
-step waits for all of them at the end. So reduction overlaps the rest of backward, and no
-half-reduced tensor is ever handed back to autograd.
+Differentiation: inside `funcshard.value_and_grad`, a gathered unit's parameters are fresh
+leaf tensors viewing the gathered buffers, each with a post-accumulate-grad hook (the hooks
+DDP reduces from). Autograd runs a leaf's accumulation as soon as its gradient is complete;
+when the last of a unit's leaves has reported, the unit's gradient is concatenated and its
+reduce-scatter (or, over a size-1 shard axis, its all-reduce) is issued asynchronously; the
+step waits for all of them at the end. So reduction overlaps the rest of backward, whether
+a unit was gathered at its module's forward or for the whole call, and no half-reduced
+tensor is ever handed back to autograd.
 
 Resharding after forward: while the model runs, `saved_tensors_hooks` replaces every tensor
 autograd saves from a gathered buffer with a small handle (unit, buffer, view geometry). In
@@ -60,7 +62,7 @@ class Binding:
 
     layout: Layout
     unit_names: tuple[str, ...]
-    unit_modules: tuple[nn.Module, ...]
+    unit_modules: tuple[nn.Module | None, ...]  # None for units of parameters (buckets)
     unit_flats: tuple[tuple[int, ...], ...]  # flat indices of each unit
     unit_params: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...]  # per unit, each
     # parameter once, in flat order: (flat index, offset, shape)
@@ -141,11 +143,14 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
             )
         )
     root = units.index("") if "" in units else None
-    whole = frozenset(crossing | ({root} if root is not None else set()))
+    modules = tuple(_module_or_none(model, u) for u in units)
+    not_modules = {k for k, m in enumerate(modules) if m is None}  # buckets: no forward of
+    # their own, so they stay gathered for the whole call (free on a size-1 shard axis)
+    whole = frozenset(crossing | not_modules | ({root} if root is not None else set()))
     return Binding(
         layout=layout,
         unit_names=units,
-        unit_modules=tuple(model.get_submodule(u) for u in units),
+        unit_modules=modules,
         unit_flats=unit_flats,
         unit_params=unit_params,
         param_slots=tuple(param_slots),
@@ -153,6 +158,13 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         replicated_slots=tuple(replicated),
         buffer_slots=buffer_slots,
     )
+
+
+def _module_or_none(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _inside(fqn: str, unit: str) -> bool:
@@ -200,16 +212,12 @@ class GradRecorder:
         self.prefetch = prefetch
         self.reduce = reduce
         self.all_reduce = all_reduce
-        self.anchors: list[Tensor] = []
+        self.leaves: list[Tensor] = []  # every parameter leaf created, for autograd.backward
         self.runs: list[_Run] = []
         self.pending: list[list[collectives.Pending]] = [[] for _ in state.layout.flats]
         self.local: list[Tensor | None] = [None] * len(state.layout.flats)
         self.in_flight: collectives.Pending | None = None
-
-    def anchor(self) -> Tensor:
-        anchor = torch.zeros(0, requires_grad=True)
-        self.anchors.append(anchor)
-        return anchor
+        self.all_reduced = [False] * len(state.layout.flats)
 
     def on_grad(self, flat_indices: tuple[int, ...], grads: tuple[Tensor | None, ...]) -> None:
         """A unit's full-buffer gradients are complete: start reducing them (or keep them)."""
@@ -224,8 +232,15 @@ class GradRecorder:
                 # its full-size input, so backward never holds every unit's full gradients.
                 if self.in_flight is not None:
                     self.in_flight.wait()
-                self.in_flight = collectives.reduce_scatter(grad, layout.mesh.shard_group, "avg")
-                self.pending[i].append(self.in_flight)
+                mesh = layout.mesh
+                pending = collectives.reduce_scatter(grad, mesh.shard_group, "avg")
+                if mesh.shard_size == 1 and mesh.replicate_size > 1 and self.all_reduce:
+                    # DDP: the reduce-scatter is free, so the bucket's all-reduce starts now,
+                    # overlapping the rest of backward (HSDP all-reduces in `_finish`)
+                    pending = collectives.all_reduce(pending.wait(), mesh.replicate_group, "avg")
+                    self.all_reduced[i] = True
+                self.in_flight = pending
+                self.pending[i].append(pending)
             else:
                 self.local[i] = grad if self.local[i] is None else self.local[i] + grad
 
@@ -244,23 +259,28 @@ def gather_dtype(state: ShardedState, flat: FlatLayout) -> torch.dtype:
     return state.mp.param_dtype
 
 
-class _Gather(torch.autograd.Function):
-    """Identity on a unit's gathered parameters whose backward reports their gradients.
+class _Collector:
+    """Gathers one gathering of a unit's parameter gradients as autograd accumulates them."""
 
-    Taking the parameters one by one (not the flat buffers they view) gives backward one
-    gradient per parameter, which `_Run.on_grad` concatenates once; slicing a flat buffer
-    would make autograd build and sum a full-size gradient per parameter instead.
-    """
+    def __init__(self, run: _Run, unit: int, count: int) -> None:
+        self.run, self.unit = run, unit
+        self.grads: list[Tensor | None] = [None] * count
+        self.missing = count
 
-    @staticmethod
-    def forward(ctx, anchor, run, unit, *params):
-        ctx.run, ctx.unit = run, unit
-        return params
+    def hook(self, index: int) -> Callable[[Tensor], None]:
+        def on_accumulated(param: Tensor) -> None:
+            self.grads[index], param.grad = param.grad, None
+            self.missing -= 1
+            if self.missing == 0:
+                self.run.on_grad(self.unit, tuple(self.grads))
 
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.run.on_grad(ctx.unit, grads)
-        return (torch.zeros(0), None, None, *([None] * len(grads)))
+        return on_accumulated
+
+    def flush(self) -> None:
+        """After backward: a unit some of whose parameters got no gradient reports zeros."""
+        if 0 < self.missing < len(self.grads):
+            self.missing = 0
+            self.run.on_grad(self.unit, tuple(self.grads))
 
 
 _RECORDER: contextvars.ContextVar[GradRecorder | None] = contextvars.ContextVar(
@@ -304,7 +324,9 @@ class _Run:
         self.params: list[tuple[Tensor, ...] | None] = [None] * len(binding.unit_names)
         self.pending: dict[int, tuple[collectives.Pending, ...]] = {}
         self.order: list[int] = []
-        self.storage_of: dict[int, tuple[int, int]] = {}  # data_ptr -> (unit, flat)
+        self.owner_of: dict[int, tuple[int, int]] = {}  # id of a parameter leaf or flat buffer
+        # -> (unit, flat index): how the saved-tensor hook recognizes gathered parameters
+        self.collectors: list[_Collector] = []
         self.backward_full: dict[int, tuple[Tensor, ...]] = {}
         self.finished: set[int] = set()  # units whose gradients are reported
         self.reshard = state.reshard_after_forward is not False
@@ -352,7 +374,7 @@ class _Run:
 
     def gathered(self, unit: int) -> tuple[Tensor, ...]:
         """A unit's parameters, waiting for its buffers (issuing them if needed); they are
-        differentiable through `_Gather` when gradients are being recorded."""
+        leaves reporting their gradients when gradients are being recorded."""
         if self.params[unit] is None:
             self.issue(unit)
             flats = tuple(p.wait() for p in self.pending.pop(unit))
@@ -363,12 +385,26 @@ class _Run:
             )
             trainable = any(not self.layout.flats[i].frozen for i in self.binding.unit_flats[unit])
             if self.recorder is not None and trainable and torch.is_grad_enabled():
-                params = _Gather.apply(self.recorder.anchor(), self, unit, *params)
-            for flat_index, flat in zip(self.binding.unit_flats[unit], flats, strict=True):
-                self.storage_of[flat.untyped_storage().data_ptr()] = (unit, flat_index)
+                params = tuple(p.detach().requires_grad_() for p in params)
+                self._collect(unit, params)
+            else:
+                for flat_index, flat in zip(self.binding.unit_flats[unit], flats, strict=True):
+                    self.owner_of[id(flat)] = (unit, flat_index)
             self.full[unit] = flats
             self.params[unit] = params
         return self.params[unit]
+
+    def _collect(self, unit: int, params: tuple[Tensor, ...]) -> None:
+        """Make a unit's leaves report their gradients (see [Note: per-unit gathering])."""
+        assert self.recorder is not None
+        collector = _Collector(self, unit, len(params))
+        self.collectors.append(collector)
+        self.recorder.leaves.extend(params)
+        for index, (param, (flat_index, _, _)) in enumerate(
+            zip(params, self.binding.unit_params[unit], strict=True)
+        ):
+            param.register_post_accumulate_grad_hook(collector.hook(index))
+            self.owner_of[id(param)] = (unit, flat_index)
 
     def enter(self, unit: int) -> None:
         """A unit's module is about to run: put its parameters in place, prefetch the next."""
@@ -387,6 +423,14 @@ class _Run:
         self._swap_out(unit)
         if self.post_forward_k is not None and self.recorder is not None:
             self.post_forward[unit] = self._slices(self.full[unit] or ())
+        if self.reshard and self.recorder is not None and torch.is_grad_enabled():
+            # Autograd keeps the unit's parameter leaves (to accumulate their gradients), and
+            # they share the gathered storage: free it now. Backward never reads a leaf's data,
+            # and every saved view of it was packed as a handle. (FSDP2 frees the same way.)
+            for i, flat in zip(self.binding.unit_flats[unit], self.full[unit] or (), strict=True):
+                storage = flat.untyped_storage()
+                if storage.data_ptr() != self.state.shards[i].untyped_storage().data_ptr():
+                    storage.resize_(0)  # never the state's own shard (a size-1 shard axis)
         self._forget(unit)
         self.full[unit] = None
         self.params[unit] = None
@@ -399,9 +443,9 @@ class _Run:
         return tuple(f.detach().chunk(k)[index].clone() for f in flats)
 
     def _forget(self, unit: int) -> None:
-        """Stop recognizing a released unit's buffers: the allocator may reuse their memory."""
-        for flat in self.full[unit] or ():
-            self.storage_of.pop(flat.untyped_storage().data_ptr(), None)
+        """Stop recognizing a released unit's tensors: their ids may be reused."""
+        for tensor in (*(self.full[unit] or ()), *(self.params[unit] or ())):
+            self.owner_of.pop(id(tensor), None)
 
     def _swap_out(self, unit: int) -> None:
         """Put meta placeholders in a unit's slots: a use outside its forward fails loudly."""
@@ -410,13 +454,15 @@ class _Run:
 
     def on_grad(self, unit: int, grads: tuple[Tensor | None, ...]) -> None:
         """Autograd finished a unit's gradients: hand them on and drop its regathered copy."""
-        assert self.recorder is not None  # _Gather only runs under a recorder
+        assert self.recorder is not None  # collectors only exist under a recorder
         flat_grads = []
         for i in self.binding.unit_flats[unit]:
             flat = self.layout.flats[i]
             pieces = [
-                g.reshape(-1)
-                for (j, _, _), g in zip(self.binding.unit_params[unit], grads, strict=True)
+                torch.zeros(_numel(shape), dtype=gather_dtype(self.state, flat))
+                if g is None
+                else g.reshape(-1)
+                for (j, _, shape), g in zip(self.binding.unit_params[unit], grads, strict=True)
                 if j == i
             ]
             if flat.padded_numel > flat.numel:
@@ -428,9 +474,9 @@ class _Run:
 
     # saved-tensor hooks: see [Note: per-unit gathering]
     def pack(self, tensor: Tensor) -> Any:
-        if not self.reshard or tensor._base is None:
-            return tensor  # gathered parameters are always views of their flat buffer
-        owner = self.storage_of.get(tensor.untyped_storage().data_ptr())
+        if not self.reshard:
+            return tensor
+        owner = self.owner_of.get(id(tensor if tensor._base is None else tensor._base))
         if owner is None or owner[0] in self.binding.whole_call:
             return tensor  # not a gathered buffer, or one kept for the whole step
         if tensor.dtype != self.full_dtype(owner[1]):
@@ -483,6 +529,11 @@ class _Run:
         if earlier in self.finished or earlier in self.backward_full:
             return None
         return earlier
+
+    def flush(self) -> None:
+        """Report units whose gradients were only partly produced (unused parameters)."""
+        for collector in self.collectors:
+            collector.flush()
 
     def finish(self) -> None:
         """Wait for any prefetch nobody used and drop every gathered buffer."""

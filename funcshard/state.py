@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tabulate import tabulate
 from torch import Tensor
 
 from funcshard.layout import Layout
@@ -38,6 +39,20 @@ class ShardedState:
     def replace(self, **changes: object) -> ShardedState:
         """A copy with some fields changed (the record itself never changes)."""
         return dataclasses.replace(self, **changes)
+
+    def buckets_table(self) -> str:
+        """One row per flat buffer (a DDP bucket, for `replicate`): index, bytes, params."""
+        rows = [
+            [
+                i,
+                flat.name,
+                f"{flat.numel * flat.dtype.itemsize:,}",
+                len(flat.fqns),
+                ", ".join(flat.fqns[:3]) + (" ..." if len(flat.fqns) > 3 else ""),
+            ]
+            for i, flat in enumerate(self.layout.flats)
+        ]
+        return tabulate(rows, headers=["index", "unit", "bytes", "params", "first params"])
 
     def __repr__(self) -> str:
         mesh = self.layout.mesh

@@ -66,7 +66,8 @@ class LiveTensors(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._track(t, watched)
         self.peak = max(self.peak, self.live)
-        self.peak_watched = max(self.peak_watched, len(self._watched))
+        holding = sum(1 for key in self._watched if self._bytes[key] > 0)  # not resized to 0
+        self.peak_watched = max(self.peak_watched, holding)
         return out
 
     def adopt(self, tree: Any) -> None:

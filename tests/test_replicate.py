@@ -1,0 +1,146 @@
+"""fs.replicate (functional DDP) against torch's DistributedDataParallel, and its buckets."""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcshard as fs
+from funcshard import collectives, testing
+from funcshard.testing.models import GPT, GPTConfig
+
+STEPS = 3
+
+
+def _batches(cfg: GPTConfig, rank: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(STEPS):
+        t = torch.randint(cfg.vocab_size, (2, cfg.block_size + 1), generator=g)
+        yield t[:, :-1], t[:, 1:]
+
+
+def _loss(model, params, x, y):
+    return F.cross_entropy(fs.call(model, params, x).flatten(0, 1), y.flatten())
+
+
+def _against_ddp(comm_dtype, rank: int) -> dict:
+    cfg = GPTConfig(n_layer=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    torch_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    state = fs.replicate(
+        model, fs.Mesh(replicate=2), bucket_mb=0.05, first_bucket_mb=0.01, comm_dtype=comm_dtype
+    )
+    opt = fs.optim.sgd(0.1, momentum=0.9)
+    opt_state = opt.init(state)
+    for x, y in _batches(cfg, rank):
+        torch_opt.zero_grad()
+        F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()).backward()
+        torch_opt.step()
+        _, grads = fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
+        updates, opt_state = opt.update(grads, opt_state, state)
+        state = fs.apply_updates(state, updates)
+    full = fs.unshard(state)
+    errors = {
+        k: ((full[k] - p).abs().max() / p.abs().max()).item()
+        for k, p in ddp.module.named_parameters()
+    }
+    return {"errors": errors, "buckets": len(state.layout.flats)}
+
+
+def test_replicate_matches_ddp_after_three_sgd_momentum_steps():
+    for rank, r in enumerate(testing.run(functools.partial(_against_ddp, None), world_size=2)):
+        assert r["buckets"] >= 3
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] < 1e-5, f"rank {rank}: {worst} off by {r['errors'][worst]:.2e}"
+
+
+def test_replicate_with_bf16_communication_stays_within_bf16_tolerance():
+    results = testing.run(functools.partial(_against_ddp, torch.bfloat16), world_size=2)
+    for r in results:
+        assert max(r["errors"].values()) < 2e-2
+
+
+def _event_order(rank: int) -> list:
+    cfg = GPTConfig(n_layer=3)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    state = fs.replicate(model, fs.Mesh(replicate=2), bucket_mb=0.02, first_bucket_mb=0.005)
+    x, y = next(_batches(cfg, rank))
+    with collectives.record() as log:
+
+        def mark_embedding_backward(module, args, out):
+            out.register_hook(lambda g: log.append("wte backward"))
+
+        handle = model.wte.register_forward_hook(mark_embedding_backward)
+        try:
+            fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
+        finally:
+            handle.remove()
+    return [e if isinstance(e, str) else e.op for e in log]
+
+
+def test_the_first_bucket_is_all_reduced_before_backward_reaches_the_first_layer():
+    events = testing.run(_event_order, world_size=2)[0]
+    first_reduce = events.index("all_reduce")
+    assert first_reduce < events.index("wte backward"), events
+    assert events.count("all_reduce") >= 3  # several buckets, each on its own
+
+
+class _Unused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.kept = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kept(self.frozen(self.used(x)))
+
+
+def _unused_and_frozen(rank: int) -> tuple:
+    torch.manual_seed(0)
+    model = _Unused()
+    state = fs.replicate(model, fs.Mesh(replicate=2), ignored=[model.kept])
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    with collectives.record() as log:
+        _, grads = fs.value_and_grad(lambda s: fs.call(model, s, x).square().sum())(state)
+    names = {f.unit: g for f, g in zip(state.layout.flats, grads.shards, strict=True)}
+    bucket = state.layout.flats[0]
+    at = bucket.fqns.index("unused.weight")
+    start = bucket.offsets[at]
+    unused = [names["<bucket 0>"][start : start + bucket.numels[at]]]
+    reduced = sum(r.numel for r in log)
+    return (
+        sorted(names),
+        names["<frozen>"] is None,
+        bool(unused[0].eq(0).all()) if unused else None,
+        reduced,
+        state.layout.replicated,
+        state.buckets_table(),
+    )
+
+
+def test_unused_params_get_zero_grads_and_frozen_or_ignored_params_are_not_reduced():
+    units, frozen_none, unused_zero, reduced, replicated, table = testing.run(
+        _unused_and_frozen, world_size=2, timeout=30
+    )[0]
+    assert units == ["<bucket 0>", "<frozen>"] and frozen_none and unused_zero
+    assert reduced == 2 * (4 * 4 + 4)  # used + unused linear; frozen and ignored never travel
+    assert replicated == ("kept.weight", "kept.bias")
+    assert "<bucket 0>" in table and "first params" in table
+
+
+def _sharded_mesh(rank: int) -> None:
+    fs.replicate(nn.Linear(2, 2), fs.Mesh(shard=2))
+
+
+def test_replicate_needs_a_mesh_with_shard_one():
+    with pytest.raises(ValueError, match=r"the mesh must have shard=1"):
+        testing.run(_sharded_mesh, world_size=2)
