@@ -57,13 +57,24 @@ def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[
 
 
 def funcshard_step(
-    cfg: GPTConfig, mesh: fs.Mesh, x: torch.Tensor, y: torch.Tensor, **shard_options: object
+    cfg: GPTConfig,
+    mesh: fs.Mesh,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    replicate: bool = False,
+    **options: object,
 ) -> Callable[[], None]:
-    """funcshard's step: a meta-built model sharded straight into local shards."""
+    """funcshard's step: a meta-built model sharded straight into local shards (or, with
+    `replicate`, held whole on every rank with bucketed all-reduce: functional DDP)."""
     with torch.device("meta"):
         model = GPT(cfg)
-    plan = fs.plan(model, policy=fs.policy.module_classes({Block}))
-    box = {"state": fs.shard(model, plan, mesh, **shard_options)}
+    if replicate:
+        state = fs.replicate(model, mesh, **options)
+    else:
+        state = fs.shard(
+            model, fs.plan(model, policy=fs.policy.module_classes({Block})), mesh, **options
+        )
+    box = {"state": state}
     opt = fs.optim.adamw(1e-3)
     box["opt"] = opt.init(box["state"])
 

@@ -95,6 +95,8 @@ def _sharded_value_and_grad(f, has_aux, recorder, args, kwargs):
     finally:
         for run in recorder.runs:
             run.finish()
+        recorder.leaves.clear()
+        recorder.runs.clear()
     grads = _finish(recorder)
     value = (loss.detach(), aux) if has_aux else loss.detach()
     return value, grads

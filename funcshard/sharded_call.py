@@ -272,7 +272,7 @@ class _Collector:
             self.grads[index], param.grad = param.grad, None
             self.missing -= 1
             if self.missing == 0:
-                self.run.on_grad(self.unit, tuple(self.grads))
+                self._report()
 
         return on_accumulated
 
@@ -280,7 +280,11 @@ class _Collector:
         """After backward: a unit some of whose parameters got no gradient reports zeros."""
         if 0 < self.missing < len(self.grads):
             self.missing = 0
-            self.run.on_grad(self.unit, tuple(self.grads))
+            self._report()
+
+    def _report(self) -> None:
+        grads, self.grads = tuple(self.grads), []  # hand them on; keep nothing full-size
+        self.run.on_grad(self.unit, grads)
 
 
 _RECORDER: contextvars.ContextVar[GradRecorder | None] = contextvars.ContextVar(
@@ -327,6 +331,7 @@ class _Run:
         self.owner_of: dict[int, tuple[int, int]] = {}  # id of a parameter leaf or flat buffer
         # -> (unit, flat index): how the saved-tensor hook recognizes gathered parameters
         self.collectors: list[_Collector] = []
+        self.hook_handles: list[Any] = []
         self.backward_full: dict[int, tuple[Tensor, ...]] = {}
         self.finished: set[int] = set()  # units whose gradients are reported
         self.reshard = state.reshard_after_forward is not False
@@ -403,7 +408,9 @@ class _Run:
         for index, (param, (flat_index, _, _)) in enumerate(
             zip(params, self.binding.unit_params[unit], strict=True)
         ):
-            param.register_post_accumulate_grad_hook(collector.hook(index))
+            self.hook_handles.append(
+                param.register_post_accumulate_grad_hook(collector.hook(index))
+            )
             self.owner_of[id(param)] = (unit, flat_index)
 
     def enter(self, unit: int) -> None:
@@ -536,7 +543,16 @@ class _Run:
             collector.flush()
 
     def finish(self) -> None:
-        """Wait for any prefetch nobody used and drop every gathered buffer."""
+        """Wait for any prefetch nobody used, drop every gathered buffer, and unhook the leaves.
+
+        The hooks close a cycle (leaf -> hook -> collector -> run -> leaves) through C++,
+        where Python's garbage collector cannot see it: it must be cut by hand, or every step
+        would leak its gathered buffers."""
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles.clear()
+        self.collectors.clear()
+        self.owner_of.clear()
         for pending in self.pending.values():
             for p in pending:
                 p.wait()
