@@ -95,12 +95,19 @@ def reduce_scatter(flat: Tensor, group: ProcessGroup, op: str = "avg") -> Pendin
     return Pending(_ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name))
 
 
-def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "avg") -> Pending:
-    """Reduce `tensor` over the group (op "avg" or "sum"); every rank gets the result."""
+def all_reduce(
+    tensor: Tensor, group: ProcessGroup, op: str = "avg", inplace: bool = False
+) -> Pending:
+    """Reduce `tensor` over the group (op "avg" or "sum"); every rank gets the result.
+
+    `inplace=True` reduces into `tensor` itself (the caller owns it and reads it only after
+    `wait()`), saving an output buffer of the same size.
+    """
     if group.size() == 1:
         return Pending(tensor, done=True)
     _note("all_reduce", group, tensor)
-    return Pending(_ops.all_reduce(tensor, op, group.group_name))
+    reduce = _ops.all_reduce_ if inplace else _ops.all_reduce
+    return Pending(reduce(tensor, op, group.group_name))
 
 
 def broadcast(tensor: Tensor, group: ProcessGroup, src_rank: int) -> Tensor:

@@ -217,7 +217,7 @@ def _adam_family(
             v = v_all[i] if donate else v_all[i].clone()
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            denom = v.sqrt().div_(bias_correction2_sqrt).add_(eps)
             update = torch.div(m, denom, out=g if donate else denom).mul_(-step_size)
             if weight_decay and decoupled:
                 update.add_(p, alpha=-rate * weight_decay)

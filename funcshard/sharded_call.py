@@ -227,22 +227,26 @@ class GradRecorder:
             if grad is None or flat.frozen:
                 continue
             grad = grad.to(reduce_dtype(self.state, flat))
-            if self.reduce:
+            if not self.reduce:
+                self.local[i] = grad if self.local[i] is None else self.local[i] + grad
+            elif layout.mesh.shard_size == 1:
+                # DDP: nothing to scatter; the bucket's all-reduce starts now, in place in the
+                # buffer we own, overlapping the rest of backward (HSDP does it in `_finish`)
+                mesh = layout.mesh
+                if mesh.replicate_size > 1 and self.all_reduce:
+                    self.pending[i].append(
+                        collectives.all_reduce(grad, mesh.replicate_group, "avg", inplace=True)
+                    )
+                    self.all_reduced[i] = True
+                else:
+                    self.pending[i].append(collectives.Pending(grad, done=True))
+            else:
                 # One reduce-scatter in flight at a time: waiting for the previous one frees
                 # its full-size input, so backward never holds every unit's full gradients.
                 if self.in_flight is not None:
                     self.in_flight.wait()
-                mesh = layout.mesh
-                pending = collectives.reduce_scatter(grad, mesh.shard_group, "avg")
-                if mesh.shard_size == 1 and mesh.replicate_size > 1 and self.all_reduce:
-                    # DDP: the reduce-scatter is free, so the bucket's all-reduce starts now,
-                    # overlapping the rest of backward (HSDP all-reduces in `_finish`)
-                    pending = collectives.all_reduce(pending.wait(), mesh.replicate_group, "avg")
-                    self.all_reduced[i] = True
-                self.in_flight = pending
-                self.pending[i].append(pending)
-            else:
-                self.local[i] = grad if self.local[i] is None else self.local[i] + grad
+                self.in_flight = collectives.reduce_scatter(grad, layout.mesh.shard_group, "avg")
+                self.pending[i].append(self.in_flight)
 
 
 def reduce_dtype(state: ShardedState, flat: FlatLayout) -> torch.dtype:
