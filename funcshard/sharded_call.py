@@ -10,14 +10,18 @@ parameters are also used from outside its own module (a tied weight across units
 gathered for the whole call. Outside its unit's forward a parameter slot holds a meta
 placeholder, so code that touches it there fails loudly instead of reading stale values.
 
-Differentiation: inside `funcshard.value_and_grad`, a gathered unit's parameters are fresh
-leaf tensors viewing the gathered buffers, each with a post-accumulate-grad hook (the hooks
-DDP reduces from). Autograd runs a leaf's accumulation as soon as its gradient is complete;
-when the last of a unit's leaves has reported, the unit's gradient is concatenated and its
-reduce-scatter (or, over a size-1 shard axis, its all-reduce) is issued asynchronously; the
-step waits for all of them at the end. So reduction overlaps the rest of backward, whether
-a unit was gathered at its module's forward or for the whole call, and no half-reduced
-tensor is ever handed back to autograd.
+Differentiation: inside `funcshard.value_and_grad`, the moment a unit's whole gradient is
+known, it is concatenated and its reduce-scatter (or, over a size-1 shard axis, its
+all-reduce) is issued asynchronously; the step waits for all of them at the end. So
+reduction overlaps the rest of backward, and no half-reduced tensor is handed to autograd.
+Two kinds of unit learn "whole gradient known" differently, because autograd runs ready
+nodes newest first. A unit gathered at its module's forward passes its parameters through
+`_Gather`, one identity node of a zero-size per-call *anchor*, created at that forward, so
+autograd runs it right after the unit's backward. A unit gathered for the whole call (the
+root, DDP buckets) would get its node before any op and run last; its parameters are leaf
+tensors with post-accumulate-grad hooks instead (the hooks DDP reduces from), which autograd
+runs as soon as each gradient is complete. Hooks cost ~50 us each to register, so only those
+units pay it.
 
 Resharding after forward: while the model runs, `saved_tensors_hooks` replaces every tensor
 autograd saves from a gathered buffer with a small handle (unit, buffer, view geometry). In
@@ -212,7 +216,7 @@ class GradRecorder:
         self.prefetch = prefetch
         self.reduce = reduce
         self.all_reduce = all_reduce
-        self.leaves: list[Tensor] = []  # every parameter leaf created, for autograd.backward
+        self.leaves: list[Tensor] = []  # anchors and parameter leaves, for autograd.backward
         self.runs: list[_Run] = []
         self.pending: list[list[collectives.Pending]] = [[] for _ in state.layout.flats]
         self.local: list[Tensor | None] = [None] * len(state.layout.flats)
@@ -261,6 +265,25 @@ def gather_dtype(state: ShardedState, flat: FlatLayout) -> torch.dtype:
     if state.mp is None or flat.keep_fp32 or state.mp.param_dtype is None:
         return flat.dtype
     return state.mp.param_dtype
+
+
+class _Gather(torch.autograd.Function):
+    """Identity on a unit's gathered parameters whose backward reports their gradients.
+
+    Taking the parameters one by one (not the flat buffers they view) gives backward one
+    gradient per parameter, which `_Run.on_grad` concatenates once; slicing a flat buffer
+    would make autograd build and sum a full-size gradient per parameter instead.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, run, unit, *params):
+        ctx.run, ctx.unit = run, unit
+        return params
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.run.on_grad(ctx.unit, grads)
+        return (torch.zeros(0), None, None, *([None] * len(grads)))
 
 
 class _Collector:
@@ -393,10 +416,15 @@ class _Run:
                 for i, offset, shape in self.binding.unit_params[unit]
             )
             trainable = any(not self.layout.flats[i].frozen for i in self.binding.unit_flats[unit])
-            if self.recorder is not None and trainable and torch.is_grad_enabled():
+            recording = self.recorder is not None and trainable and torch.is_grad_enabled()
+            if recording and unit in self.binding.whole_call:
                 params = tuple(p.detach().requires_grad_() for p in params)
                 self._collect(unit, params)
             else:
+                if recording:
+                    anchor = torch.zeros(0, requires_grad=True)
+                    self.recorder.leaves.append(anchor)
+                    params = _Gather.apply(anchor, self, unit, *params)
                 for flat_index, flat in zip(self.binding.unit_flats[unit], flats, strict=True):
                     self.owner_of[id(flat)] = (unit, flat_index)
             self.full[unit] = flats
@@ -434,14 +462,6 @@ class _Run:
         self._swap_out(unit)
         if self.post_forward_k is not None and self.recorder is not None:
             self.post_forward[unit] = self._slices(self.full[unit] or ())
-        if self.reshard and self.recorder is not None and torch.is_grad_enabled():
-            # Autograd keeps the unit's parameter leaves (to accumulate their gradients), and
-            # they share the gathered storage: free it now. Backward never reads a leaf's data,
-            # and every saved view of it was packed as a handle. (FSDP2 frees the same way.)
-            for i, flat in zip(self.binding.unit_flats[unit], self.full[unit] or (), strict=True):
-                storage = flat.untyped_storage()
-                if storage.data_ptr() != self.state.shards[i].untyped_storage().data_ptr():
-                    storage.resize_(0)  # never the state's own shard (a size-1 shard axis)
         self._forget(unit)
         self.full[unit] = None
         self.params[unit] = None
