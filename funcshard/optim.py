@@ -4,9 +4,11 @@
 An optimizer is `Optimizer(init, update)` as in optax: `init(params)` builds its state,
 `update(grads, opt_state, params)` returns `(updates, new_opt_state)` and writes nothing, and
 `apply_updates(params, updates)` adds the updates. The arithmetic follows torch.optim's
-single-tensor kernels op for op (`torch.optim.sgd/adam/adamw`), one leaf at a time, so after N
-steps the parameters match `torch.optim.SGD/Adam/AdamW` on the same tensors (to rounding of
-the final addition) and temporaries never exceed one flat buffer.
+single-tensor kernels op for op (`torch.optim.sgd`), or is torch's fused Adam/AdamW kernel
+(`torch._fused_adam_`, `_fused_adamw_`, run on a copy of each parameter: one pass over
+memory instead of eight), one leaf at a time, so after N steps the parameters match
+`torch.optim.SGD/Adam/AdamW` on the same tensors (to rounding of the final addition) and
+temporaries never exceed one flat buffer.
 
 Purity costs memory: new moments are built beside the old ones. `update(..., donate=True)`
 gives that memory back, as buffer donation does in JAX: the moments are updated in place and
@@ -34,6 +36,7 @@ from funcshard.state import ShardedGrads, ShardedState
 from funcshard.tree import register_record
 
 LearningRate = float | Callable[[int], float]
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,7 @@ def _adam_family(
 ) -> Optimizer:
     _check_rates(name, lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
     beta1, beta2 = betas
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def init(params: Any) -> AdamState:
         leaves = _param_leaves(params)
@@ -210,17 +214,44 @@ def _adam_family(
         updates = [None] * len(state.exp_avg)
         m_all, v_all = list(state.exp_avg), list(state.exp_avg_sq)
         for i, p, g in _live(grads, params):
-            # torch.optim.adam's single-tensor kernel, writing the update instead of the param
-            if weight_decay and not decoupled:
-                g = g.add_(p, alpha=weight_decay) if donate else g.add(p, alpha=weight_decay)
             m = m_all[i] if donate else m_all[i].clone()
             v = v_all[i] if donate else v_all[i].clone()
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = v.sqrt().div_(bias_correction2_sqrt).add_(eps)
-            update = torch.div(m, denom, out=g if donate else denom).mul_(-step_size)
+            if p.dtype in _FUSED_DTYPES:  # torch's fused kernel, on a copy of the parameter
+                new = p.detach().clone()
+                fused(
+                    [new],
+                    [g],
+                    [m],
+                    [v],
+                    [],
+                    [step.to(torch.float32).clone()],
+                    lr=rate,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=weight_decay,
+                    eps=eps,
+                    amsgrad=False,
+                    maximize=False,
+                )
+                updates[i], m_all[i], v_all[i] = new.sub_(p), m, v
+                continue
+            # otherwise torch.optim.adam's single-tensor kernel, writing the update instead;
+            # like it, complex tensors are treated as pairs of reals
+            if p.is_complex():
+                p, g = torch.view_as_real(p), torch.view_as_real(g)
+                m_real, v_real = torch.view_as_real(m), torch.view_as_real(v)
+            else:
+                m_real, v_real = m, v
+            if weight_decay and not decoupled:
+                g = g.add_(p, alpha=weight_decay) if donate else g.add(p, alpha=weight_decay)
+            m_real.lerp_(g, 1 - beta1)
+            v_real.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = v_real.sqrt().div_(bias_correction2_sqrt).add_(eps)
+            update = torch.div(m_real, denom, out=g if donate else denom).mul_(-step_size)
             if weight_decay and decoupled:
                 update.add_(p, alpha=-rate * weight_decay)
+            if m.is_complex():
+                update = torch.view_as_complex(update)
             updates[i], m_all[i], v_all[i] = update, m, v
         new_state = AdamState(step=step, exp_avg=tuple(m_all), exp_avg_sq=tuple(v_all))
         return _like(grads, updates), new_state
