@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import itertools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -410,10 +411,14 @@ class _Run:
         if self.params[unit] is None:
             self.issue(unit)
             flats = tuple(p.wait() for p in self.pending.pop(unit))
-            position = {i: k for k, i in enumerate(self.binding.unit_flats[unit])}
-            params = tuple(
-                flats[position[i]][offset : offset + _numel(shape)].view(shape)
-                for i, offset, shape in self.binding.unit_params[unit]
+            params = tuple(  # one split per buffer (the padding piece is left out by zip)
+                piece.view(shape)
+                for i, flat in zip(self.binding.unit_flats[unit], flats, strict=True)
+                for piece, shape in zip(
+                    flat.split(_split_sizes(self.layout.flats[i])),
+                    self.layout.flats[i].shapes,
+                    strict=False,
+                )
             )
             trainable = any(not self.layout.flats[i].frozen for i in self.binding.unit_flats[unit])
             recording = self.recorder is not None and trainable and torch.is_grad_enabled()
@@ -585,6 +590,13 @@ class _Run:
         self.post_forward.clear()
         self.full = [None] * len(self.full)
         self.params = [None] * len(self.params)
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_sizes(flat: FlatLayout) -> tuple[int, ...]:
+    """The pieces of a gathered buffer: each parameter, then the padding (if any)."""
+    padding = flat.padded_numel - flat.numel
+    return flat.numels + ((padding,) if padding else ())
 
 
 def _successors(order: list[int]) -> dict[int, int]:
