@@ -17,12 +17,6 @@ def join_fqn(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def leaves_with_paths(tree: Any, root: str = "tree") -> list[tuple[str, Any]]:
-    """Return `(path, leaf)` pairs, each path written as Python code: `tree['a'][0]`."""
-    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree)
-    return [(a.codify(root), leaf) for a, leaf in zip(accessors, leaves, strict=True)]
-
-
 def format_names(names: Iterable[str], limit: int = 8) -> str:
     """Format names for an error message, at most `limit` of them and a count of the rest."""
     names = list(names)

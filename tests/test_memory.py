@@ -21,7 +21,7 @@ def _tokens(rank: int):
     return t[:, :-1], t[:, 1:]
 
 
-def _forward_memory(rank: int) -> dict:
+def _forward_memory(prefetch: bool, rank: int) -> dict:
     torch.manual_seed(0)
     model = GPT(CFG)
     state = fs.shard(
@@ -36,7 +36,7 @@ def _forward_memory(rank: int) -> dict:
         forward["peak"], forward["gathered"] = mode.peak, mode.peak_watched
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
-    fs.value_and_grad(loss_fn)(state)
+    fs.value_and_grad(loss_fn, prefetch=prefetch)(state)
     with LiveTensors() as plain:  # the same forward, unsharded: activations only
         model(x)
     bytes_of = {f.unit: f.padded_numel * f.dtype.itemsize for f in state.layout.flats}
@@ -50,7 +50,7 @@ def _forward_memory(rank: int) -> dict:
 
 
 def test_forward_keeps_at_most_two_blocks_gathered_and_peaks_under_the_bound():
-    for r in testing.run(_forward_memory, world_size=2):
+    for r in testing.run(functools.partial(_forward_memory, True), world_size=2):
         # the root (embeddings, final norm) stays gathered, as in FSDP2; then the running
         # block and the prefetched next one
         assert r["gathered"] <= 3, r
@@ -58,27 +58,9 @@ def test_forward_keeps_at_most_two_blocks_gathered_and_peaks_under_the_bound():
         assert r["bound"] < r["unsharded"]  # the bound is below what one process would hold
 
 
-def _no_prefetch_gathered(rank: int) -> int:
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    state = fs.shard(
-        model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
-    )
-    x, y = _tokens(rank)
-    seen = {}
-
-    def loss_fn(s):
-        with LiveTensors(watch=is_all_gather) as mode:
-            logits = fs.call(model, s, x)
-        seen["gathered"] = mode.peak_watched
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-    fs.value_and_grad(loss_fn, prefetch=False)(state)
-    return seen["gathered"]
-
-
 def test_without_prefetch_one_block_at_a_time_is_gathered():
-    assert testing.run(_no_prefetch_gathered, world_size=2) == [2, 2]  # root + one block
+    results = testing.run(functools.partial(_forward_memory, False), world_size=2)
+    assert [r["gathered"] for r in results] == [2, 2]  # root + one block
 
 
 def _live_tensor_bytes() -> int:
