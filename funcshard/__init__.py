@@ -1,5 +1,6 @@
 """funcshard: data-parallel sharding (FSDP, DDP, HSDP) for PyTorch, as pure functions on pytrees."""
 
+from funcshard import checkpoint as checkpoint
 from funcshard import optim as optim
 from funcshard import policy as policy
 from funcshard import testing as testing
@@ -42,6 +43,7 @@ __all__ = [
     "accumulate",
     "apply_updates",
     "call",
+    "checkpoint",
     "extract",
     "grad",
     "optim",

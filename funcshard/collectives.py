@@ -149,3 +149,56 @@ def _device_of(group: ProcessGroup) -> torch.device:
         if "nccl" in backend
         else torch.device("cpu")
     )
+
+
+def group_rank(group: ProcessGroup) -> int:
+    """This process's rank within `group`."""
+    return dist.get_rank(group)
+
+
+def sharded_tensor(pieces: list[tuple[int, Tensor]], numel: int, group: ProcessGroup) -> Any:
+    """A 1-D tensor of `numel` elements sharded as (start, values) pieces across the group,
+    in the form torch.distributed.checkpoint saves and reshards (a ShardedTensor)."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+
+    rank = dist.get_rank()  # placements name global ranks, whatever the group
+    shards = [
+        Shard(
+            values.reshape(-1),
+            ShardMetadata([start], [values.numel()], f"rank:{rank}/{values.device}"),
+        )
+        for start, values in pieces
+    ]
+    return ShardedTensor._init_from_local_shards(shards, [numel], process_group=group)
+
+
+def local_pieces(tensor: Any) -> list[tuple[int, Tensor]]:
+    """The (start, values) pieces of a sharded tensor that this rank holds."""
+    return [(s.metadata.shard_offsets[0], s.tensor) for s in tensor.local_shards()]
+
+
+def global_size(tensor: Any) -> tuple[int, ...]:
+    """The full shape of a plain or sharded tensor."""
+    return tuple(tensor.size())
+
+
+def dcp_save(state_dict: dict[str, Any], directory: str) -> None:
+    """Save through torch.distributed.checkpoint; every rank writes its own pieces."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state_dict, checkpoint_id=directory)
+
+
+def dcp_load(state_dict: dict[str, Any], directory: str) -> None:
+    """Load in place into `state_dict`'s tensors, reading whichever saved pieces overlap."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state_dict, checkpoint_id=directory)
+
+
+def dcp_sizes(directory: str) -> dict[str, tuple[int, ...]]:
+    """The saved tensors' names and full shapes, from a checkpoint's metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(directory).read_metadata()
+    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}

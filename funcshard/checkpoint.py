@@ -1,0 +1,221 @@
+"""Checkpoints through torch.distributed.checkpoint: sharded, atomic, any world size.
+
+[Note: checkpoints]
+Every parameter is saved by FQN as a 1-D sharded tensor of its flattened values: each rank
+contributes the contiguous piece its flat shard holds (replicas hold the same pieces; DCP
+writes each chunk once), so nothing is gathered and no byte is written twice. Optimizer state
+that lines up with the flat buffers (Adam's moments, SGD's momentum) is split the same way
+under `optim/<path>/<fqn>`; its other tensors (step counts), replicated parameters and
+buffers are plain tensors. Loading builds the same keys laid out like `like` and lets DCP
+read whichever saved pieces overlap, which is what makes another world size, mesh or plan
+work.
+
+Atomic: a save writes a fresh directory `step-<n>` (or `save-<k>`) under `path`, then
+replaces the file `path/LATEST` with `os.replace`, which is atomic; `load` reads only what
+LATEST names, so a save that dies half way never changes what loads. `step` and `extra` are
+written as JSON, so loading unpickles nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from datetime import timedelta
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from funcshard import collectives
+from funcshard.layout import FlatLayout, Layout
+from funcshard.state import ShardedState
+from funcshard.tree import format_names
+
+LATEST = "LATEST"
+META = "funcshard.json"
+
+
+def save(
+    path: str | os.PathLike,
+    state: ShardedState,
+    opt_state: Any = None,
+    step: int | None = None,
+    extra: dict | None = None,
+) -> str:
+    """Save the state (and optimizer state, step, JSON-able `extra`) under directory `path`.
+
+    Returns the directory written. Communicates: DCP's collective save plus barriers.
+    """
+    root = os.fspath(path)
+    group = state.layout.mesh.group
+    first = collectives.group_rank(group) == 0
+    if first:
+        os.makedirs(root, exist_ok=True)
+    collectives.barrier(group, _TIMEOUT)
+    name = f"step-{step}" if step is not None else f"save-{_count_saves(root, group)}"
+    target = os.path.join(root, name)
+    if first and os.path.exists(target):
+        shutil.rmtree(target)  # a half-written save of the same name, never made LATEST
+    collectives.barrier(group, _TIMEOUT)
+    collectives.dcp_save(_to_dcp(state, opt_state), target)
+    if first:
+        with open(os.path.join(target, META), "w") as f:
+            json.dump({"step": step, "extra": extra}, f)
+        pointer = os.path.join(root, LATEST + ".tmp")
+        with open(pointer, "w") as f:
+            f.write(name)
+        os.replace(pointer, os.path.join(root, LATEST))  # the commit point
+    collectives.barrier(group, _TIMEOUT)
+    return target
+
+
+def load(path: str | os.PathLike, like: tuple[ShardedState, Any]) -> tuple[Any, Any, Any, Any]:
+    """Load the latest complete save under `path` into the layout of `like=(state, opt_state)`.
+
+    Returns `(state, opt_state, step, extra)`. Works across world sizes, meshes and plans.
+    Communicates: DCP's collective load.
+    """
+    state, opt_state = like
+    directory = _latest(os.fspath(path))
+    template = _to_dcp(state, opt_state, zeros=True)
+    _check_keys(directory, template)
+    collectives.dcp_load(template, directory)
+    new_state, new_opt = _from_dcp(state, opt_state, template)
+    with open(os.path.join(directory, META)) as f:
+        meta = json.load(f)
+    return new_state, new_opt, meta["step"], meta["extra"]
+
+
+_TIMEOUT = timedelta(minutes=5)
+
+
+def _count_saves(root: str, group: Any) -> int:
+    """How many unnamed saves exist, as rank 0 sees them (so every rank picks one name)."""
+    count = len([n for n in os.listdir(root) if n.startswith("save-")])
+    return collectives.all_gather_ints([count], group)[0][0]
+
+
+def _latest(root: str) -> str:
+    pointer = os.path.join(root, LATEST)
+    if not os.path.isfile(pointer):
+        raise FileNotFoundError(
+            f"funcshard.checkpoint.load: no complete checkpoint under {root!r} (no {LATEST} "
+            f"file). Save one with funcshard.checkpoint.save first."
+        )
+    with open(pointer) as f:
+        return os.path.join(root, f.read().strip())
+
+
+def _pieces(shard: Tensor, flat: FlatLayout, shard_rank: int) -> dict[str, tuple[int, Tensor]]:
+    """The piece of each parameter that this rank's shard holds: fqn -> (start, values)."""
+    start, end = shard_rank * flat.shard_numel, (shard_rank + 1) * flat.shard_numel
+    out = {}
+    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
+        lo, hi = max(start, offset), min(end, offset + numel)
+        if lo < hi:
+            out[fqn] = (lo - offset, shard[lo - start : hi - start])
+    return out
+
+
+def _split(prefix: str, shard: Tensor, flat: FlatLayout, layout: Layout) -> dict[str, Any]:
+    """One 1-D sharded tensor per parameter of a flat buffer, holding this rank's piece."""
+    mesh = layout.mesh
+    pieces = _pieces(shard, flat, mesh.shard_rank)
+    # Sharded over the shard axis only: each replica holds (and loads) all of it, and DCP's
+    # save planner writes a chunk that several replicas hold once.
+    return {
+        f"{prefix}/{fqn}": collectives.sharded_tensor(
+            [pieces[fqn]] if fqn in pieces else [], numel, mesh.shard_group
+        )
+        for fqn, numel in zip(flat.fqns, flat.numels, strict=True)
+    }
+
+
+def _join(prefix: str, loaded: dict[str, Any], flat: FlatLayout, layout: Layout) -> Tensor:
+    """This rank's flat shard rebuilt from loaded per-parameter pieces (padding zero)."""
+    shard = torch.zeros(flat.shard_numel, dtype=flat.dtype, device=layout.mesh.device)
+    base = layout.mesh.shard_rank * flat.shard_numel
+    for fqn, offset in zip(flat.fqns, flat.offsets, strict=True):
+        for start, values in collectives.local_pieces(loaded[f"{prefix}/{fqn}"]):
+            at = offset + start - base
+            shard[at : at + values.numel()] = values.reshape(-1)
+    return shard
+
+
+def _optim_leaves(opt_state: Any, layout: Layout) -> tuple[list[Any], Any]:
+    """Each optimizer tensor with its key, and the flat index it lines up with (or None)."""
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(opt_state)
+    described = []
+    for accessor, leaf in zip(accessors, leaves, strict=True):
+        path = accessor.codify("").lstrip(".")
+        index = accessor[-1].entry if len(accessor) else None
+        aligned = (
+            isinstance(leaf, Tensor)
+            and isinstance(index, int)
+            and index < len(layout.flats)
+            and leaf.dim() == 1
+            and leaf.numel() == layout.flats[index].shard_numel
+        )
+        key = path.rsplit("[", 1)[0] if aligned else path
+        described.append((leaf, f"optim/{key}", index if aligned else None))
+    return described, spec
+
+
+def _to_dcp(state: ShardedState, opt_state: Any, zeros: bool = False) -> dict[str, Any]:
+    """The DCP state dict: sharded per parameter, plain tensors for the rest."""
+    layout = state.layout
+
+    def value(t: Tensor) -> Tensor:
+        return torch.zeros_like(t) if zeros else t
+
+    out: dict[str, Any] = {}
+    for flat, shard in zip(layout.flats, state.shards, strict=True):
+        out.update(_split("params", value(shard), flat, layout))
+    out.update({f"params/{k}": value(v) for k, v in state.replicated.items()})
+    out.update({f"buffers/{k}": value(v) for k, v in state.buffers.items()})
+    if opt_state is not None:
+        for leaf, key, index in _optim_leaves(opt_state, layout)[0]:
+            if index is not None:
+                out.update(_split(key, value(leaf), layout.flats[index], layout))
+            elif isinstance(leaf, Tensor):
+                out[key] = value(leaf)
+    return out
+
+
+def _from_dcp(state: ShardedState, opt_state: Any, loaded: dict[str, Any]) -> tuple[Any, Any]:
+    layout = state.layout
+    new_state = state.replace(
+        shards=tuple(_join("params", loaded, flat, layout) for flat in layout.flats),
+        replicated={k: loaded[f"params/{k}"] for k in state.replicated},
+        buffers={k: loaded[f"buffers/{k}"] for k in state.buffers},
+    )
+    if opt_state is None:
+        return new_state, None
+    described, spec = _optim_leaves(opt_state, layout)
+    leaves = [
+        _join(key, loaded, layout.flats[index], layout)
+        if index is not None
+        else (loaded[key] if isinstance(leaf, Tensor) else leaf)
+        for leaf, key, index in described
+    ]
+    return new_state, optree.tree_unflatten(spec, leaves)
+
+
+def _check_keys(directory: str, template: dict[str, Any]) -> None:
+    saved = collectives.dcp_sizes(directory)
+    missing = sorted(set(template) - set(saved))
+    unexpected = sorted(set(saved) - set(template))
+    wrong = [
+        f"{k} (saved {saved[k]}, expected {collectives.global_size(v)})"
+        for k, v in template.items()
+        if k in saved and saved[k] != collectives.global_size(v)
+    ]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"funcshard.checkpoint.load: {directory!r} does not match the state: missing "
+            f"{format_names(missing) or 'none'}; unexpected {format_names(unexpected) or 'none'}; "
+            f"shape differs for {format_names(wrong) or 'none'}. Load into the model (and "
+            f"optimizer) that saved it; world size, mesh and plan may differ."
+        )
