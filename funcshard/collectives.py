@@ -19,6 +19,7 @@ all-reduce streams ordered by events) awaits a session with a GPU to run it.
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -193,12 +194,61 @@ def dcp_load(state_dict: dict[str, Any], directory: str) -> None:
     """Load in place into `state_dict`'s tensors, reading whichever saved pieces overlap."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state_dict, checkpoint_id=directory)
+    dcp.load(state_dict, storage_reader=_safe_reader(directory))
 
 
 def dcp_sizes(directory: str) -> dict[str, tuple[int, ...]]:
     """The saved tensors' names and full shapes, from a checkpoint's metadata."""
+    metadata = _safe_reader(directory).read_metadata()
+    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata file and nothing else: weights_only semantics for metadata.
+
+    Tensor data is already read with `torch.load(weights_only=True)`; DCP reads its
+    `.metadata` with plain pickle, which would run whatever a crafted file names.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module.startswith("torch.distributed.checkpoint")
+            or (module == "torch" and name in _TORCH_NAMES)
+            or (module, name) in _OTHER_NAMES
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"funcshard.checkpoint: refusing to load {module}.{name} from checkpoint "
+                f"metadata; only torch.distributed.checkpoint's own types are allowed."
+            )
+        return super().find_class(module, name)
+
+
+_TORCH_NAMES = frozenset(
+    {"Size", "device", "layout", "strided", "contiguous_format", "preserve_format"}
+    | {str(d).removeprefix("torch.") for d in vars(torch).values() if isinstance(d, torch.dtype)}
+)
+_OTHER_NAMES = frozenset(
+    {("collections", "OrderedDict"), ("builtins", "slice"), ("torch.serialization", "_get_layout")}
+    | {("pathlib", n) for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
+)
+
+
+def _safe_reader(directory: str) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
-    metadata = FileSystemReader(directory).read_metadata()
-    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
+    class SafeReader(FileSystemReader):
+        """A FileSystemReader whose metadata is read by `_MetadataUnpickler`."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(directory)

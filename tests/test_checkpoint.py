@@ -168,3 +168,24 @@ def test_an_hsdp_checkpoint_loads_on_a_plain_fsdp_mesh(tmp_path):
     for r in testing.run(functools.partial(_load_fsdp, path), world_size=2, timeout=120):
         assert r["step"] == 5
         assert all(torch.equal(r["full"][k], v) for k, v in saved.items())
+
+
+class _Exploit:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_metadata_is_not_unpickled_beyond_checkpoint_types(tmp_path):
+    """DCP reads its .metadata with plain pickle; funcshard reads it with an allowlist."""
+    import pickle
+
+    directory = tmp_path / "evil"
+    directory.mkdir()
+    marker = tmp_path / "pwned"
+    (directory / ".metadata").write_bytes(pickle.dumps(_Exploit(str(marker))))
+    with pytest.raises(pickle.UnpicklingError, match=r"refusing to load (posix|os)\.system"):
+        checkpoint.collectives.dcp_sizes(str(directory))
+    assert not marker.exists()
