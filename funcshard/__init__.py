@@ -23,6 +23,8 @@ from funcshard.sharded_call import call as call
 from funcshard.state import LocalGrads as LocalGrads
 from funcshard.state import ShardedGrads as ShardedGrads
 from funcshard.state import ShardedState as ShardedState
+from funcshard.transforms import from_state_dict as from_state_dict
+from funcshard.transforms import full_state_dict as full_state_dict
 from funcshard.transforms import reduce as reduce
 from funcshard.transforms import reshard as reshard
 from funcshard.transforms import shard as shard
@@ -45,6 +47,8 @@ __all__ = [
     "call",
     "checkpoint",
     "extract",
+    "from_state_dict",
+    "full_state_dict",
     "grad",
     "optim",
     "plan",

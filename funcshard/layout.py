@@ -74,6 +74,8 @@ class Layout:
     flats: tuple[FlatLayout, ...]
     replicated: tuple[str, ...]  # parameters kept whole on every rank (the plan's ignored)
     mesh: Mesh
+    state_dict_keys: tuple[str, ...] = ()  # the model's state_dict() keys, in its order
+    aliases: tuple[tuple[str, str], ...] = ()  # (second name, first FQN) of tied parameters
 
     @property
     def fqns(self) -> tuple[str, ...]:

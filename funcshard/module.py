@@ -13,7 +13,8 @@ clones are what `mutable=True` returns as the new buffers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +121,22 @@ def _slots(model: nn.Module) -> tuple[_Slots, _Slots]:
     return param_slots, buffer_slots
 
 
+def feed_tied(model: nn.Module, tensors: Mapping[str, Tensor]) -> Params:
+    """`tensors` keyed by first FQNs, plus every separately stored alias fed the same tensor
+    (see [Note: tied tensors])."""
+    param_slots, buffer_slots = _slots(model)
+    params = {k: v for k, v in tensors.items() if k in set(param_slots.firsts)}
+    buffers = {k: v for k, v in tensors.items() if k in set(buffer_slots.firsts)}
+    return {**param_slots.feed(params), **buffer_slots.feed(buffers)}
+
+
+@contextlib.contextmanager
+def reparametrized(model: nn.Module, tensors: Params) -> Iterator[nn.Module]:
+    """Temporarily put `tensors` (from `feed_tied`) in the model's slots; restored after."""
+    with _reparametrize_module(model, tensors, tie_weights=False, strict=False):
+        yield model
+
+
 def _functional_call(
     model: nn.Module,
     tensors: Params,
@@ -139,7 +156,7 @@ def _functional_call(
             f"funcshard.call: {type(model).__name__} has no method {method!r}. "
             f"Pass the name of a method of the model, e.g. method='forward'."
         )
-    with _reparametrize_module(model, tensors, tie_weights=False, strict=False):
+    with reparametrized(model, tensors):
         out = target(*args, **kwargs)
         after = {name: model.get_buffer(name) for name in buffer_names}
     return out, after

@@ -7,6 +7,7 @@ of them writes its inputs. See [Note: flat buffers] for the layout they share.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from funcshard import collectives
 from funcshard.layout import FlatLayout, Layout, layout_of
 from funcshard.materialize import local_slice, materialize
 from funcshard.mesh import Mesh
+from funcshard.module import feed_tied, reparametrized
 from funcshard.plan import Plan
 from funcshard.precision import MixedPrecision
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState
@@ -47,7 +49,11 @@ def shard(
     if mp is not None and not isinstance(mp, MixedPrecision):
         raise TypeError(f"funcshard.shard: mp must be a MixedPrecision or None, got {mp!r}.")
     _check_same_model_everywhere(model, plan, mesh)
-    layout = layout_of(plan, mesh)
+    layout = dataclasses.replace(
+        layout_of(plan, mesh),
+        state_dict_keys=tuple(model.state_dict(keep_vars=True)),
+        aliases=tuple(_aliases(model).items()),
+    )
     params = dict(model.named_parameters())
     if any(p.is_meta for p in params.values()) or any(b.is_meta for b in model.buffers()):
         shards, replicated, buffers = materialize(model, layout, mesh.shard_rank, seed, mesh.device)
@@ -177,6 +183,70 @@ def reduce(
             grad = grad / divide_factor
         shards.append(grad.to(flat.dtype))
     return ShardedGrads(shards=tuple(shards), layout=layout)
+
+
+def full_state_dict(state: ShardedState) -> dict[str, Tensor] | None:
+    """A `model.state_dict()`-compatible dict of CPU tensors on the mesh's first rank (None
+    elsewhere): tied weights under every name, persistent buffers only.
+
+    Communicates: one all-gather per flat buffer, one unit at a time, so no rank holds more
+    than one unit beyond its shards while gathering.
+    """
+    layout = state.layout
+    first = collectives.group_rank(layout.mesh.group) == 0
+    params: dict[str, Tensor] = {}
+    for unit in layout.units:
+        gathered = unshard(state, units=[unit])
+        if first:
+            params.update({k: v.detach().to("cpu", copy=True) for k, v in gathered.items()})
+    if not first:
+        return None
+    params.update({k: v.detach().to("cpu", copy=True) for k, v in state.replicated.items()})
+    params.update({alias: params[owner] for alias, owner in layout.aliases})
+    buffers = {k: v.detach().to("cpu", copy=True) for k, v in state.buffers.items()}
+    everything = {**params, **buffers}
+    keys = layout.state_dict_keys or tuple(everything)
+    return {k: everything[k] for k in keys}
+
+
+def from_state_dict(
+    model: nn.Module, state_dict: Mapping[str, Tensor], plan: Plan, mesh: Mesh, **options: object
+) -> ShardedState:
+    """Shard a plain `model.state_dict()` (from PyTorch, DDP, FSDP2's full state dict, or
+    `full_state_dict`) as `shard` would shard a model holding those values.
+
+    Communicates: what `shard` does.
+    """
+    expected = model.state_dict(keep_vars=True)
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    wrong = [
+        f"{k} {tuple(state_dict[k].shape)} {state_dict[k].dtype} (model: "
+        f"{tuple(v.shape)} {v.dtype})"
+        for k, v in expected.items()
+        if k in state_dict and (state_dict[k].shape != v.shape or state_dict[k].dtype != v.dtype)
+    ]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"funcshard.from_state_dict: the state dict does not match "
+            f"{type(model).__name__}: missing {format_names(missing) or 'none'}; unexpected "
+            f"{format_names(unexpected) or 'none'}; differing {format_names(wrong) or 'none'}."
+        )
+    firsts = {name for name, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    fed = feed_tied(model, {k: v for k, v in state_dict.items() if k in firsts})
+    with reparametrized(model, fed):
+        return shard(model, plan, mesh, **options)
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Second names of tied parameters -> their first FQN."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(p), name)
+        if owner != name:
+            aliases[name] = owner
+    return aliases
 
 
 def _views(flat_full: Tensor, flat: FlatLayout) -> dict[str, Tensor]:

@@ -189,3 +189,44 @@ def test_checkpoint_metadata_is_not_unpickled_beyond_checkpoint_types(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match=r"refusing to load (posix|os)\.system"):
         checkpoint.collectives.dcp_sizes(str(directory))
     assert not marker.exists()
+
+
+def _full_state_dict(rank: int) -> tuple:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    state = fs.shard(
+        model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
+    )
+    sd = fs.full_state_dict(state)
+    if sd is None:
+        return None, None
+    fresh = GPT(CFG)  # other random values
+    fresh.load_state_dict(sd, strict=True)
+    same = all(torch.equal(p, model.get_parameter(n)) for n, p in fresh.named_parameters())
+    return list(sd) == list(model.state_dict()), same
+
+
+def test_full_state_dict_loads_strictly_into_a_fresh_module_on_the_first_rank():
+    (same_keys, same_values), (other, _) = testing.run(_full_state_dict, world_size=2)
+    assert same_keys and same_values and other is None
+
+
+def _from_state_dict(rank: int) -> bool:
+    torch.manual_seed(0)
+    plain = GPT(CFG)  # trained or loaded with plain PyTorch, say
+    with torch.device("meta"):
+        structure = GPT(CFG)
+    plan = fs.plan(structure, policy=fs.policy.module_classes({Block}))
+    state = fs.from_state_dict(structure, plain.state_dict(), plan, fs.Mesh(shard=2))
+    full = fs.unshard(state)
+    try:
+        fs.from_state_dict(structure, {"wte.weight": plain.wte.weight}, plan, fs.Mesh(shard=2))
+    except ValueError as e:
+        error = str(e)
+    return all(torch.equal(full[k], v) for k, v in plain.named_parameters()), error
+
+
+def test_from_state_dict_shards_a_plain_state_dict_and_names_what_is_missing():
+    for same, error in testing.run(_from_state_dict, world_size=2):
+        assert same
+        assert "missing 'wpe.weight', 'blocks.0.ln1.weight'" in error and "and 20 more" in error
