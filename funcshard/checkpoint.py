@@ -10,7 +10,7 @@ buffers are plain tensors. Loading builds the same keys laid out like `like` and
 read whichever saved pieces overlap, which is what makes another world size, mesh or plan
 work.
 
-Atomic: a save writes a fresh directory `step-<n>` (or `save-<k>`) under `path`, then
+Atomic: a save writes a fresh directory `step-<n>-<k>` (or `save-<k>`) under `path`, then
 replaces the file `path/LATEST` with `os.replace`, which is atomic; `load` reads only what
 LATEST names, so a save that dies half way never changes what loads. `step` and `extra` are
 written as JSON, so loading unpickles nothing.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from datetime import timedelta
 from typing import Any
 
@@ -48,21 +47,27 @@ def save(
 
     Returns the directory written. Communicates: DCP's collective save plus barriers.
     """
+    try:  # on every rank, before any collective: a late failure on one rank would hang
+        meta = json.dumps({"step": step, "extra": extra})
+    except TypeError as e:
+        raise TypeError(
+            f"funcshard.checkpoint.save: step and extra must be JSON values (numbers, "
+            f"strings, lists, dicts), got {e}. Convert them, e.g. tensors with .tolist()."
+        ) from e
     root = os.fspath(path)
     group = state.layout.mesh.group
     first = collectives.group_rank(group) == 0
     if first:
         os.makedirs(root, exist_ok=True)
     collectives.barrier(group, _TIMEOUT)
-    name = f"step-{step}" if step is not None else f"save-{_count_saves(root, group)}"
+    # a fresh name every time: the directory LATEST names is never touched by a later save
+    index = _count_entries(root, group)
+    name = f"step-{step}-{index}" if step is not None else f"save-{index}"
     target = os.path.join(root, name)
-    if first and os.path.exists(target):
-        shutil.rmtree(target)  # a half-written save of the same name, never made LATEST
-    collectives.barrier(group, _TIMEOUT)
     collectives.dcp_save(_to_dcp(state, opt_state), target)
     if first:
         with open(os.path.join(target, META), "w") as f:
-            json.dump({"step": step, "extra": extra}, f)
+            f.write(meta)
         pointer = os.path.join(root, LATEST + ".tmp")
         with open(pointer, "w") as f:
             f.write(name)
@@ -91,10 +96,9 @@ def load(path: str | os.PathLike, like: tuple[ShardedState, Any]) -> tuple[Any, 
 _TIMEOUT = timedelta(minutes=5)
 
 
-def _count_saves(root: str, group: Any) -> int:
-    """How many unnamed saves exist, as rank 0 sees them (so every rank picks one name)."""
-    count = len([n for n in os.listdir(root) if n.startswith("save-")])
-    return collectives.all_gather_ints([count], group)[0][0]
+def _count_entries(root: str, group: Any) -> int:
+    """How many entries `root` holds, as the first rank sees them (so all pick one name)."""
+    return collectives.all_gather_ints([len(os.listdir(root))], group)[0][0]
 
 
 def _latest(root: str) -> str:
