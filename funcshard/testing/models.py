@@ -124,3 +124,78 @@ def frozen_embedding_gpt(cfg: GPTConfig = GPTConfig()) -> GPT:
     model = GPT(cfg)
     model.wpe.weight.requires_grad_(False)
     return model
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes of a Llama-shaped decoder; `llama_7b()` gives the 7B shape (for planning)."""
+
+    vocab_size: int = 257
+    d_model: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    ffn_hidden: int = 172
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    """Attention and a SwiGLU feed-forward layer, each after an RMSNorm."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.wqkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.ffn_norm = RMSNorm(cfg.d_model)
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.wqkv(self.attn_norm(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.wo(y)
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    """A Llama-shaped language model (untied output head), for planning and tests."""
+
+    def __init__(self, cfg: LlamaConfig = LlamaConfig()) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def llama_7b() -> Llama:
+    """The 7B shape (d 4096, 32 layers, 32 heads, SwiGLU 11008, vocab 32000): build it on the
+    meta device, e.g. `funcshard plan funcshard.testing.models:llama_7b --world-size 1024`."""
+    return Llama(
+        LlamaConfig(vocab_size=32000, d_model=4096, n_layer=32, n_head=32, ffn_hidden=11008)
+    )

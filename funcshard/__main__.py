@@ -1,0 +1,8 @@
+"""`python -m funcshard ...`: see funcshard.cli."""
+
+import sys
+
+from funcshard.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
