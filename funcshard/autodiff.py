@@ -147,7 +147,11 @@ def _dict_value_and_grad(f, has_aux, params, args, kwargs):
     inputs = {k: v.detach().requires_grad_(v.requires_grad) for k, v in params.items()}
     loss, aux = _split(f(inputs, *args, **kwargs), has_aux, "value_and_grad")
     trainable = [k for k, v in inputs.items() if v.requires_grad]
-    found = torch.autograd.grad(loss, [inputs[k] for k in trainable], allow_unused=True)
+    found = (
+        torch.autograd.grad(loss, [inputs[k] for k in trainable], allow_unused=True)
+        if trainable and loss.requires_grad
+        else [None] * len(trainable)
+    )
     grads: dict[str, Tensor | None] = dict.fromkeys(params)
     for k, g in zip(trainable, found, strict=True):
         grads[k] = torch.zeros_like(inputs[k]) if g is None else g

@@ -1,5 +1,6 @@
-"""The `funcshard` command. `funcshard plan MODULE:FACTORY --world-size N` plans a model built
-on the meta device and prints the memory and traffic each rank needs, without allocating it.
+"""The `funcshard` command: `funcshard demo` trains a small GPT on local ranks and checks it;
+`funcshard plan MODULE:FACTORY --world-size N` plans a model built on the meta device and
+prints the memory and traffic each rank needs, without allocating it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import torch
 from tabulate import tabulate
 from torch import nn
 
+from funcshard.demo import add_arguments as add_demo_arguments
+from funcshard.demo import from_arguments as demo_config
+from funcshard.demo import run as run_demo
 from funcshard.estimate import estimate
 from funcshard.plan import plan
 from funcshard.policy import module_classes
@@ -33,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated module class names to make units (default: the "
         "classes inside the model's first ModuleList, e.g. transformer blocks)",
     )
+    demo = commands.add_parser("demo", help="train a small GPT on local ranks and check it")
+    add_demo_arguments(demo)
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        return run_demo(demo_config(args))
     return _plan_command(args)
 
 

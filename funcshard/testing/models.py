@@ -88,7 +88,9 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))  # (B, T, vocab)
+        # scaled by d**-0.5: the tied head shares the N(0, 1) embedding, and unscaled logits
+        # would start the loss near 60 instead of ln(vocab)
+        return self.head(self.ln_f(x)) * self.cfg.d_model**-0.5  # (B, T, vocab)
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int) -> Tensor:
