@@ -46,6 +46,22 @@ class Record:
 _recording: list[list[Record]] = []
 
 
+def bytes_sent(records: list[Record]) -> int:
+    """Bytes one rank sends for these collectives with ring algorithms: an all-gather sends its
+    shard to the group's other ranks, a reduce-scatter (size - 1) of its chunks, an all-reduce
+    2 (size - 1) / size of its buffer."""
+    sent = 0
+    for r in records:
+        size, item = len(r.ranks), r.dtype.itemsize
+        if r.op == "all_gather":
+            sent += (size - 1) * r.numel * item
+        elif r.op == "reduce_scatter":
+            sent += (size - 1) * (r.numel // size) * item
+        else:
+            sent += 2 * (size - 1) * r.numel * item // size
+    return sent
+
+
 @contextlib.contextmanager
 def record() -> Iterator[list[Record]]:
     """Collect every collective issued inside the block (size-1 groups issue none)."""

@@ -136,7 +136,7 @@ def train_rank(cfg: DemoConfig, rank: int) -> dict:
                 loss, grads = grad_fn(state, x, y)
                 updates, opt_state = opt.update(grads, opt_state, state, donate=True)
             state = fs.apply_updates(state, updates, donate=True)
-            sent = _bytes_sent(log)
+            sent = collectives.bytes_sent(log)
             losses.append(_mean_over_ranks(loss, mesh))
             if rank == 0 and (step % max(1, cfg.steps // 20) == 0 or step == cfg.steps - 1):
                 _progress(step, cfg.steps, losses[-1], started, cfg)
@@ -156,19 +156,6 @@ def train_rank(cfg: DemoConfig, rank: int) -> dict:
 
 def _mean_over_ranks(loss: torch.Tensor, mesh: fs.Mesh) -> float:
     return collectives.all_reduce(loss.detach().reshape(1), mesh.group, "avg").wait().item()
-
-
-def _bytes_sent(log: list) -> int:
-    sent = 0
-    for r in log:
-        size, item = len(r.ranks), r.dtype.itemsize
-        if r.op == "all_gather":
-            sent += (size - 1) * r.numel * item
-        elif r.op == "reduce_scatter":
-            sent += (size - 1) * (r.numel // size) * item
-        else:
-            sent += 2 * (size - 1) * r.numel * item // size
-    return sent
 
 
 def _progress(step: int, steps: int, loss: float, started: float, cfg: DemoConfig) -> None:

@@ -31,15 +31,7 @@ def _measured(rank: int) -> dict:
                 fs.call(model, s, t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()
             )
         )(state)
-    sent = 0
-    for r in log:
-        size, item = len(r.ranks), r.dtype.itemsize
-        if r.op == "all_gather":
-            sent += (size - 1) * r.numel * item
-        elif r.op == "reduce_scatter":
-            sent += (size - 1) * (r.numel // size) * item
-        else:
-            sent += 2 * (size - 1) * r.numel * item // size
+    sent = collectives.bytes_sent(log)
     return {
         "persistent": _bytes(state.shards)
         + _bytes(grads.shards)
