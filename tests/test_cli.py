@@ -51,21 +51,13 @@ def test_plan_estimates_equal_a_real_two_rank_step():
         assert planned.sent_per_step == r["sent"]
 
 
+def _plan_command(*options: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "funcshard", "plan", "funcshard.testing.models:GPT", *options]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
 def test_the_plan_command_prints_per_unit_and_total_bytes():
-    cmd = [
-        sys.executable,
-        "-m",
-        "funcshard",
-        "plan",
-        "funcshard.testing.models:GPT",
-        "--world-size",
-        "8",
-        "--mesh",
-        "2x4",
-        "--mp",
-        "bf16",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = _plan_command("--world-size", "8", "--mesh", "2x4", "--mp", "bf16")
     assert out.returncode == 0, out.stderr
     assert "mesh 2x4 (replicate x shard), units: Block" in out.stdout
     assert "blocks.0" in out.stdout and "<root>" in out.stdout
@@ -73,16 +65,5 @@ def test_the_plan_command_prints_per_unit_and_total_bytes():
 
 
 def test_the_plan_command_names_a_bad_mesh():
-    cmd = [
-        sys.executable,
-        "-m",
-        "funcshard",
-        "plan",
-        "funcshard.testing.models:GPT",
-        "--world-size",
-        "8",
-        "--mesh",
-        "3x3",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = _plan_command("--world-size", "8", "--mesh", "3x3")
     assert out.returncode != 0 and "--mesh 3x3 has 9 ranks, not 8" in out.stderr
