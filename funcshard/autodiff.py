@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives
-from funcshard.sharded_call import GradRecorder, Prefetch, recording, reduce_dtype
+from funcshard.precision import reduce_dtype
+from funcshard.sharded_call import GradRecorder, Prefetch, recording
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState
 from funcshard.transforms import _views
 
@@ -115,7 +116,7 @@ def _finish(recorder: GradRecorder) -> ShardedGrads | LocalGrads:
                 continue
             if local is None:
                 local = torch.zeros(
-                    flat.padded_numel, dtype=reduce_dtype(state, flat), device=mesh.device
+                    flat.padded_numel, dtype=reduce_dtype(state.mp, flat), device=mesh.device
                 )
             grads.update(_views(local, flat))
         return LocalGrads(grads=grads, layout=layout)
@@ -127,7 +128,9 @@ def _finish(recorder: GradRecorder) -> ShardedGrads | LocalGrads:
         parts = [p.wait() for p in pending]
         if not parts:
             parts = [
-                torch.zeros(flat.shard_numel, dtype=reduce_dtype(state, flat), device=mesh.device)
+                torch.zeros(
+                    flat.shard_numel, dtype=reduce_dtype(state.mp, flat), device=mesh.device
+                )
             ]
         summed.append(functools.reduce(torch.add, parts))
     if recorder.all_reduce:  # across replicas, unless a bucket did so already in backward

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from funcshard.layout import FlatLayout
 
 
 @dataclass(frozen=True)
@@ -36,3 +40,17 @@ class MixedPrecision:
     def reduce_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
         """The dtype gradients of a parameter of `param_dtype` are reduced in."""
         return self.reduce_dtype or self.param_dtype or param_dtype
+
+
+def gather_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype:
+    """The dtype a flat buffer is gathered (and computed) in."""
+    if mp is None or flat.keep_fp32 or mp.param_dtype is None:
+        return flat.dtype
+    return mp.param_dtype
+
+
+def reduce_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype:
+    """The dtype a flat buffer's gradients are reduced in."""
+    if mp is None or flat.keep_fp32:
+        return flat.dtype
+    return mp.reduce_dtype_for(flat.dtype)

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from funcshard import collectives
 from funcshard.layout import FlatLayout, Layout
 from funcshard.module import call as call_on_dict
+from funcshard.precision import gather_dtype, reduce_dtype
 from funcshard.state import ShardedState
 from funcshard.tree import format_names, join_fqn
 
@@ -231,7 +232,7 @@ class GradRecorder:
             flat = layout.flats[i]
             if grad is None or flat.frozen:
                 continue
-            grad = grad.to(reduce_dtype(self.state, flat))
+            grad = grad.to(reduce_dtype(self.state.mp, flat))
             if not self.reduce:
                 self.local[i] = grad if self.local[i] is None else self.local[i] + grad
             elif layout.mesh.shard_size == 1:
@@ -252,20 +253,6 @@ class GradRecorder:
                     self.in_flight.wait()
                 self.in_flight = collectives.reduce_scatter(grad, layout.mesh.shard_group, "avg")
                 self.pending[i].append(self.in_flight)
-
-
-def reduce_dtype(state: ShardedState, flat: FlatLayout) -> torch.dtype:
-    """The dtype a flat buffer's gradients are reduced in."""
-    if state.mp is None or flat.keep_fp32:
-        return flat.dtype
-    return state.mp.reduce_dtype_for(flat.dtype)
-
-
-def gather_dtype(state: ShardedState, flat: FlatLayout) -> torch.dtype:
-    """The dtype a flat buffer is gathered (and computed) in."""
-    if state.mp is None or flat.keep_fp32 or state.mp.param_dtype is None:
-        return flat.dtype
-    return state.mp.param_dtype
 
 
 class _Gather(torch.autograd.Function):
@@ -398,7 +385,7 @@ class _Run:
         self.pending[unit] = tuple(
             collectives.all_gather(
                 self.state.shards[i].to(
-                    layout.mesh.device, gather_dtype(self.state, layout.flats[i])
+                    layout.mesh.device, gather_dtype(self.state.mp, layout.flats[i])
                 ),
                 group,
             )
@@ -495,7 +482,7 @@ class _Run:
         for i in self.binding.unit_flats[unit]:
             flat = self.layout.flats[i]
             pieces = [
-                torch.zeros(_numel(shape), dtype=gather_dtype(self.state, flat))
+                torch.zeros(_numel(shape), dtype=gather_dtype(self.state.mp, flat))
                 if g is None
                 else g.reshape(-1)
                 for (j, _, shape), g in zip(self.binding.unit_params[unit], grads, strict=True)
@@ -527,7 +514,7 @@ class _Run:
         return flat.as_strided(packed.size, packed.stride, packed.offset)
 
     def full_dtype(self, flat_index: int) -> torch.dtype:
-        return gather_dtype(self.state, self.layout.flats[flat_index])
+        return gather_dtype(self.state.mp, self.layout.flats[flat_index])
 
     def backward_gathered(self, unit: int) -> tuple[Tensor, ...]:
         """Regather a unit in backward, prefetching the one that ran before it in forward."""

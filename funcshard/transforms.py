@@ -20,7 +20,7 @@ from funcshard.materialize import local_slice, materialize
 from funcshard.mesh import Mesh
 from funcshard.module import feed_tied, reparametrized
 from funcshard.plan import Plan
-from funcshard.precision import MixedPrecision
+from funcshard.precision import MixedPrecision, reduce_dtype
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState
 from funcshard.tree import format_names
 
@@ -164,7 +164,7 @@ def reduce(
         if flat.frozen:
             scattered.append(None)
             continue
-        dtype = _reduce_dtype(state.mp, flat)
+        dtype = reduce_dtype(state.mp, flat)
         padded = _padded_flat([full_grads.get(f) for f in flat.fqns], flat, dtype, mesh.device)
         scattered.append(collectives.reduce_scatter(padded, mesh.shard_group, op))
     replicated_reduce = [
@@ -253,12 +253,6 @@ def _views(flat_full: Tensor, flat: FlatLayout) -> dict[str, Tensor]:
     """Split a gathered (padded_numel,) buffer into its parameters' full tensors."""
     pieces = flat_full[: flat.numel].split(flat.numels)
     return {f: p.view(s) for f, p, s in zip(flat.fqns, pieces, flat.shapes, strict=True)}
-
-
-def _reduce_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype:
-    if mp is None or flat.keep_fp32:
-        return flat.dtype
-    return mp.reduce_dtype_for(flat.dtype)
 
 
 def _padded_flat(
