@@ -16,10 +16,10 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives
+from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
 from funcshard.sharded_call import GradRecorder, Prefetch, recording
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState
-from funcshard.transforms import _views
 
 
 def value_and_grad(
@@ -118,7 +118,7 @@ def _finish(recorder: GradRecorder) -> ShardedGrads | LocalGrads:
                 local = torch.zeros(
                     flat.padded_numel, dtype=reduce_dtype(state.mp, flat), device=mesh.device
                 )
-            grads.update(_views(local, flat))
+            grads.update(zip(flat.fqns, param_views(local, flat), strict=True))
         return LocalGrads(grads=grads, layout=layout)
     summed: list[Tensor | None] = []
     for flat, pending in zip(layout.flats, recorder.pending, strict=True):

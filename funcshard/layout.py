@@ -13,6 +13,7 @@ Everything here is static and hashable: it is the aux data of a ShardedState's p
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -97,6 +98,18 @@ class Layout:
                 f"{list(self.units)} ('' is the root)."
             )
         return tuple(i for i, flat in enumerate(self.flats) if flat.unit in units)
+
+
+def param_views(buffer: torch.Tensor, flat: FlatLayout) -> tuple[torch.Tensor, ...]:
+    """The parameters a full (padded_numel,) buffer of `flat` holds, as views, in flat order."""
+    pieces = buffer.split(_split_sizes(flat))  # the padding piece, if any, is left out by zip
+    return tuple(p.view(shape) for p, shape in zip(pieces, flat.shapes, strict=False))
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_sizes(flat: FlatLayout) -> tuple[int, ...]:
+    padding = flat.padded_numel - flat.numel
+    return flat.numels + ((padding,) if padding else ())
 
 
 def layout_of(plan: Plan, mesh: Mesh) -> Layout:

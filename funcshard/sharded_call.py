@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import itertools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -46,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from funcshard import collectives
-from funcshard.layout import FlatLayout, Layout
+from funcshard.layout import Layout, param_views
 from funcshard.module import call as call_on_dict
 from funcshard.precision import gather_dtype, reduce_dtype
 from funcshard.state import ShardedState
@@ -398,14 +397,10 @@ class _Run:
         if self.params[unit] is None:
             self.issue(unit)
             flats = tuple(p.wait() for p in self.pending.pop(unit))
-            params = tuple(  # one split per buffer (the padding piece is left out by zip)
-                piece.view(shape)
+            params = tuple(
+                param
                 for i, flat in zip(self.binding.unit_flats[unit], flats, strict=True)
-                for piece, shape in zip(
-                    flat.split(_split_sizes(self.layout.flats[i])),
-                    self.layout.flats[i].shapes,
-                    strict=False,
-                )
+                for param in param_views(flat, self.layout.flats[i])
             )
             trainable = any(not self.layout.flats[i].frozen for i in self.binding.unit_flats[unit])
             recording = self.recorder is not None and trainable and torch.is_grad_enabled()
@@ -577,13 +572,6 @@ class _Run:
         self.post_forward.clear()
         self.full = [None] * len(self.full)
         self.params = [None] * len(self.params)
-
-
-@functools.lru_cache(maxsize=4096)
-def _split_sizes(flat: FlatLayout) -> tuple[int, ...]:
-    """The pieces of a gathered buffer: each parameter, then the padding (if any)."""
-    padding = flat.padded_numel - flat.numel
-    return flat.numels + ((padding,) if padding else ())
 
 
 def _successors(order: list[int]) -> dict[int, int]:

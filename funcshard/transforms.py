@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from funcshard import collectives
-from funcshard.layout import FlatLayout, Layout, layout_of
+from funcshard.layout import FlatLayout, Layout, layout_of, param_views
 from funcshard.materialize import local_slice, materialize
 from funcshard.mesh import Mesh
 from funcshard.module import feed_tied, reparametrized
@@ -99,7 +99,7 @@ class UnshardHandle:
     def wait(self) -> dict[str, Tensor]:
         full = {}
         for flat, pending in self.pending:
-            full.update(_views(pending.wait(), flat))
+            full.update(zip(flat.fqns, param_views(pending.wait(), flat), strict=True))
         full.update(self.replicated)
         return full
 
@@ -247,12 +247,6 @@ def _aliases(model: nn.Module) -> dict[str, str]:
         if owner != name:
             aliases[name] = owner
     return aliases
-
-
-def _views(flat_full: Tensor, flat: FlatLayout) -> dict[str, Tensor]:
-    """Split a gathered (padded_numel,) buffer into its parameters' full tensors."""
-    pieces = flat_full[: flat.numel].split(flat.numels)
-    return {f: p.view(s) for f, p, s in zip(flat.fqns, pieces, flat.shapes, strict=True)}
 
 
 def _padded_flat(
