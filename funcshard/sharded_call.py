@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -69,8 +70,8 @@ class Binding:
     unit_names: tuple[str, ...]
     unit_modules: tuple[nn.Module | None, ...]  # None for units of parameters (buckets)
     unit_flats: tuple[tuple[int, ...], ...]  # flat indices of each unit
-    unit_params: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...]  # per unit, each
-    # parameter once, in flat order: (flat index, offset, shape)
+    unit_params: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]  # per unit, each
+    # parameter once, in flat order: (flat index, shape)
     param_slots: tuple[tuple[tuple[Slot, int, Tensor], ...], ...]  # per unit: (slot, index into
     # unit_params, meta placeholder) for every slot holding one of the unit's parameters
     whole_call: frozenset[int]  # units gathered for the whole call
@@ -102,10 +103,8 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
             f"has {format_names(extra) or 'nothing'} that the state lacks. Call the model "
             f"the state was sharded from."
         )
-    where = {}  # fqn -> (flat index, offset, shape)
-    for i, flat in enumerate(layout.flats):
-        for fqn, offset, shape in zip(flat.fqns, flat.offsets, flat.shapes, strict=True):
-            where[fqn] = (i, offset, shape)
+    flat_of = {fqn: i for i, flat in enumerate(layout.flats) for fqn in flat.fqns}
+    shape_of = dict(zip(layout.fqns, (s for f in layout.flats for s in f.shapes), strict=True))
     units = layout.units
     unit_of_flat = [units.index(flat.unit) for flat in layout.flats]
     slots_by_unit: list[list[tuple[Slot, str]]] = [[] for _ in units]
@@ -118,8 +117,7 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
                 if (id(module), attr) not in seen:
                     replicated.append((Slot(module, attr, True), fqn))
             else:
-                flat_index, offset, shape = where[fqn]
-                unit = unit_of_flat[flat_index]
+                unit = unit_of_flat[flat_of[fqn]]
                 if (id(module), attr) not in seen:
                     slots_by_unit[unit].append((Slot(module, attr, True), fqn))
                 if not _inside(join_fqn(prefix, attr), units[unit]):
@@ -137,14 +135,14 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         tuple(i for i, u in enumerate(unit_of_flat) if u == k) for k in range(len(units))
     )
     unit_params = tuple(
-        tuple(where[f] for i in flats for f in layout.flats[i].fqns) for flats in unit_flats
+        tuple((i, shape_of[f]) for i in flats for f in layout.flats[i].fqns) for flats in unit_flats
     )
     param_slots = []
     for flats, slots in zip(unit_flats, slots_by_unit, strict=True):
         index = {f: k for k, f in enumerate(f for i in flats for f in layout.flats[i].fqns)}
         param_slots.append(
             tuple(
-                (slot, index[fqn], torch.empty(where[fqn][2], device="meta")) for slot, fqn in slots
+                (slot, index[fqn], torch.empty(shape_of[fqn], device="meta")) for slot, fqn in slots
             )
         )
     root = units.index("") if "" in units else None
@@ -424,7 +422,7 @@ class _Run:
         collector = _Collector(self, unit, len(params))
         self.collectors.append(collector)
         self.recorder.leaves.extend(params)
-        for index, (param, (flat_index, _, _)) in enumerate(
+        for index, (param, (flat_index, _)) in enumerate(
             zip(params, self.binding.unit_params[unit], strict=True)
         ):
             self.hook_handles.append(
@@ -477,10 +475,10 @@ class _Run:
         for i in self.binding.unit_flats[unit]:
             flat = self.layout.flats[i]
             pieces = [
-                torch.zeros(_numel(shape), dtype=gather_dtype(self.state.mp, flat))
+                torch.zeros(math.prod(shape), dtype=gather_dtype(self.state.mp, flat))
                 if g is None
                 else g.reshape(-1)
-                for (j, _, shape), g in zip(self.binding.unit_params[unit], grads, strict=True)
+                for (j, shape), g in zip(self.binding.unit_params[unit], grads, strict=True)
                 if j == i
             ]
             if flat.padded_numel > flat.numel:
@@ -553,6 +551,13 @@ class _Run:
         for collector in self.collectors:
             collector.flush()
 
+    def drain(self) -> None:
+        """Wait for gathers nobody used (a prefetch past the last unit): every rank issued them."""
+        for pending in self.pending.values():
+            for p in pending:
+                p.wait()
+        self.pending.clear()
+
     def finish(self) -> None:
         """Wait for any prefetch nobody used, drop every gathered buffer, and unhook the leaves.
 
@@ -564,10 +569,7 @@ class _Run:
         self.hook_handles.clear()
         self.collectors.clear()
         self.owner_of.clear()
-        for pending in self.pending.values():
-            for p in pending:
-                p.wait()
-        self.pending.clear()
+        self.drain()
         self.backward_full.clear()
         self.post_forward.clear()
         self.full = [None] * len(self.full)
@@ -576,13 +578,6 @@ class _Run:
 
 def _successors(order: list[int]) -> dict[int, int]:
     return dict(itertools.pairwise(order))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def call(
@@ -632,10 +627,7 @@ def call(
         for handle in hooks:
             handle.remove()
         _restore_slots(originals)
-        for pending in run.pending.values():  # a prefetch nobody used: finish it anyway
-            for p in pending:
-                p.wait()
-        run.pending.clear()
+        run.drain()
     if run.recorder is not None and torch.is_grad_enabled():
         run.recorder.runs.append(run)
         if run.reshard:  # autograd keeps handles; only whole-call units stay gathered
