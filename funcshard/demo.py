@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
+from tqdm import tqdm
 
 import funcshard as fs
 from funcshard import checkpoint, collectives, testing
@@ -131,6 +132,7 @@ def train_rank(cfg: DemoConfig, rank: int) -> dict:
                 print(f"resumed from step {start_step} ({cfg.checkpoint_dir})", flush=True)
         grad_fn = fs.value_and_grad(functools.partial(_loss, model))
         losses, sent, started = [], 0, time.perf_counter()
+        bar = _progress_bar(cfg, start_step) if rank == 0 else None
         for step in range(start_step, cfg.steps):
             x, y = batches(data, cfg, step, cfg.batch * cfg.nproc)
             x, y = x.chunk(cfg.nproc)[rank], y.chunk(cfg.nproc)[rank]
@@ -140,16 +142,18 @@ def train_rank(cfg: DemoConfig, rank: int) -> dict:
             state = fs.apply_updates(state, updates, donate=True)
             sent = collectives.bytes_sent(log)
             losses.append(_mean_over_ranks(loss, mesh))
-            if rank == 0 and (step % max(1, cfg.steps // 20) == 0 or step == cfg.steps - 1):
-                _progress(step, cfg.steps, losses[-1], started, cfg)
+            if bar is not None:
+                _advance(bar, losses[-1], step + 1 - start_step, started, cfg)
             if cfg.checkpoint_dir and ((step + 1) % 100 == 0 or step + 1 == cfg.steps):
                 checkpoint.save(cfg.checkpoint_dir, state, opt_state, step=step + 1)
         elapsed = time.perf_counter() - started
+        if bar is not None:
+            bar.close()
     sample = fs.call(model, state, torch.tensor([list(b"def ")]), 120, method="generate")
     return {
         "losses": losses,
         "start_step": start_step,
-        "tokens_per_s": (cfg.steps - start_step) * cfg.batch * cfg.nproc * cfg.block_size / elapsed,
+        "tokens_per_s": (cfg.steps - start_step) * _tokens_per_step(cfg) / elapsed,
         "peak_bytes": memory.peak,
         "sent_per_step": sent,
         "sample": bytes(sample[0].tolist()).decode("utf-8", "replace"),
@@ -160,15 +164,19 @@ def _mean_over_ranks(loss: torch.Tensor, mesh: fs.Mesh) -> float:
     return collectives.all_reduce(loss.detach().reshape(1), mesh.group, "avg").wait().item()
 
 
-def _progress(step: int, steps: int, loss: float, started: float, cfg: DemoConfig) -> None:
-    done = step + 1
-    rate = done * cfg.batch * cfg.nproc * cfg.block_size / max(time.perf_counter() - started, 1e-9)
-    bar = "#" * (30 * done // steps)
-    print(
-        f"\r[{bar:<30}] step {done}/{steps} loss {loss:.3f} {rate:,.0f} tok/s", end="", flush=True
-    )
-    if done == steps:
-        print()
+def _tokens_per_step(cfg: DemoConfig) -> int:
+    return cfg.batch * cfg.nproc * cfg.block_size
+
+
+def _progress_bar(cfg: DemoConfig, start_step: int) -> tqdm:
+    """Rank 0's bar: steps done, loss (mean over ranks) and tokens/s of all ranks together."""
+    return tqdm(total=cfg.steps, initial=start_step, desc="training", unit="step", file=sys.stdout)
+
+
+def _advance(bar: tqdm, loss: float, done: int, started: float, cfg: DemoConfig) -> None:
+    rate = done * _tokens_per_step(cfg) / max(time.perf_counter() - started, 1e-9)
+    bar.set_postfix(loss=f"{loss:.3f}", tokens_per_s=f"{rate:,.0f}", refresh=False)
+    bar.update()
 
 
 def parity_check(cfg: DemoConfig, reports: list[dict]) -> tuple[bool, float, int]:

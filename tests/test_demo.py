@@ -33,4 +33,8 @@ def test_the_demo_resumes_from_its_checkpoint(tmp_path):
     )
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed from step 4 ({tmp_path})" in again.stdout
-    assert "step 7/7" in again.stdout and "skipped (a resumed or bf16 run" in again.stdout
+    assert (
+        "training: 100%" in again.stdout
+        and "7/7" in again.stdout
+        and "skipped (a resumed or bf16 run" in again.stdout
+    )
