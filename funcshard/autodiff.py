@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcshard import collectives
+from funcshard import collectives, finite
 from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
 from funcshard.sharded_call import GradRecorder, Prefetch, recording
@@ -28,6 +28,7 @@ def value_and_grad(
     reduce: bool = True,
     all_reduce: bool = True,
     prefetch: bool | Prefetch = True,
+    check_finite: bool = False,
 ) -> Callable[..., tuple[Any, Any]]:
     """Return a function computing `f(params, *args)` and its gradient w.r.t. `params`.
 
@@ -36,6 +37,8 @@ def value_and_grad(
     get None). `reduce=False` returns LocalGrads instead; `all_reduce=False` skips the HSDP
     all-reduce across replicas. `prefetch` is True, False or a `funcshard.Prefetch` with
     explicit unit orders. With `has_aux`, `f` returns `(loss, aux)`.
+    `check_finite=True` raises `funcshard.finite.NonFiniteError` on every rank together when
+    any rank's loss or gradients hold NaN or inf (one more all-gather of one flag per buffer).
     Communicates (sharded): per unit one all-gather in forward, one more in backward when
     resharded after forward, and one reduce-scatter; one all-reduce per unit on HSDP meshes.
     """
@@ -50,13 +53,17 @@ def value_and_grad(
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         if isinstance(params, ShardedState):
             recorder = GradRecorder(params, reduce, all_reduce, prefetch)
-            return _sharded_value_and_grad(f, has_aux, recorder, args, kwargs)
-        if isinstance(params, Mapping):
-            return _dict_value_and_grad(f, has_aux, params, args, kwargs)
-        raise TypeError(
-            f"funcshard.value_and_grad: the first argument must be a ShardedState or a dict "
-            f"of tensors, got {type(params).__name__}."
-        )
+            value, grads = _sharded_value_and_grad(f, has_aux, recorder, args, kwargs)
+        elif isinstance(params, Mapping):
+            value, grads = _dict_value_and_grad(f, has_aux, params, args, kwargs)
+        else:
+            raise TypeError(
+                f"funcshard.value_and_grad: the first argument must be a ShardedState or a "
+                f"dict of tensors, got {type(params).__name__}."
+            )
+        if check_finite:
+            finite.check(value[0] if has_aux else value, grads)
+        return value, grads
 
     return wrapped
 
@@ -135,8 +142,10 @@ def _finish(recorder: GradRecorder) -> ShardedGrads | LocalGrads:
         summed.append(functools.reduce(torch.add, parts))
     if recorder.all_reduce:  # across replicas, unless a bucket did so already in backward
         across = [
-            None if s is None or done else collectives.all_reduce(s, mesh.replicate_group, "avg")
-            for s, done in zip(summed, recorder.all_reduced, strict=True)
+            None
+            if s is None or done
+            else collectives.all_reduce(s, mesh.replicate_group, "avg", what=flat.unit)
+            for s, done, flat in zip(summed, recorder.all_reduced, layout.flats, strict=True)
         ]
         summed = [s if p is None else p.wait() for s, p in zip(summed, across, strict=True)]
     shards = tuple(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -73,47 +74,66 @@ def record() -> Iterator[list[Record]]:
         _recording.remove(log)
 
 
-def _note(op: str, group: ProcessGroup, tensor: Tensor) -> None:
-    if _recording:
-        entry = Record(op, tuple(dist.get_process_group_ranks(group)), tensor.numel(), tensor.dtype)
-        for log in _recording:
-            log.append(entry)
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; says which one, for which unit, over which ranks."""
 
 
 class Pending:
     """A collective in flight; `wait()` returns its result (and is cheap to call again)."""
 
-    __slots__ = ("_done", "_tensor")
+    __slots__ = ("_done", "_group", "_op", "_tensor", "_what")
 
-    def __init__(self, tensor: Tensor, done: bool = False) -> None:
+    def __init__(
+        self,
+        tensor: Tensor,
+        done: bool = False,
+        op: str = "",
+        group: ProcessGroup | None = None,
+        what: str = "",
+    ) -> None:
         self._tensor = tensor
         self._done = done
+        self._op, self._group, self._what = op, group, what
 
     def wait(self) -> Tensor:
         if not self._done:
-            self._tensor = _ops.wait_tensor(self._tensor)
+            try:
+                self._tensor = _ops.wait_tensor(self._tensor)
+            except RuntimeError as e:
+                raise _failed(self._op, self._group, self._what, e) from e
             self._done = True
         return self._tensor
 
 
-def all_gather(shard: Tensor, group: ProcessGroup) -> Pending:
-    """Concatenate every rank's 1-D `shard` in rank order: (numel * group size,)."""
+def all_gather(shard: Tensor, group: ProcessGroup, what: str = "") -> Pending:
+    """Concatenate every rank's 1-D `shard` in rank order: (numel * group size,).
+
+    `what` (e.g. the unit's name) only labels the error if the collective fails.
+    """
     if group.size() == 1:
         return Pending(shard, done=True)
-    _note("all_gather", group, shard)
-    return Pending(_ops.all_gather_into_tensor(shard, group.size(), group.group_name))
+    _before("all_gather", group, shard, what)
+    try:
+        out = _ops.all_gather_into_tensor(shard, group.size(), group.group_name)
+    except RuntimeError as e:
+        raise _failed("all_gather", group, what, e) from e
+    return Pending(out, op="all_gather", group=group, what=what)
 
 
-def reduce_scatter(flat: Tensor, group: ProcessGroup, op: str = "avg") -> Pending:
+def reduce_scatter(flat: Tensor, group: ProcessGroup, op: str = "avg", what: str = "") -> Pending:
     """Reduce 1-D `flat` over the group (op "avg" or "sum"); rank r keeps chunk r."""
     if group.size() == 1:
         return Pending(flat, done=True)
-    _note("reduce_scatter", group, flat)
-    return Pending(_ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name))
+    _before("reduce_scatter", group, flat, what)
+    try:
+        out = _ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name)
+    except RuntimeError as e:
+        raise _failed("reduce_scatter", group, what, e) from e
+    return Pending(out, op="reduce_scatter", group=group, what=what)
 
 
 def all_reduce(
-    tensor: Tensor, group: ProcessGroup, op: str = "avg", inplace: bool = False
+    tensor: Tensor, group: ProcessGroup, op: str = "avg", inplace: bool = False, what: str = ""
 ) -> Pending:
     """Reduce `tensor` over the group (op "avg" or "sum"); every rank gets the result.
 
@@ -122,9 +142,76 @@ def all_reduce(
     """
     if group.size() == 1:
         return Pending(tensor, done=True)
-    _note("all_reduce", group, tensor)
+    _before("all_reduce", group, tensor, what)
     reduce = _ops.all_reduce_ if inplace else _ops.all_reduce
-    return Pending(reduce(tensor, op, group.group_name))
+    try:
+        out = reduce(tensor, op, group.group_name)
+    except RuntimeError as e:
+        raise _failed("all_reduce", group, what, e) from e
+    return Pending(out, op="all_reduce", group=group, what=what)
+
+
+def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str) -> None:
+    """Record the collective for `record()` and, on a checked group, compare it across ranks."""
+    if _recording:
+        entry = Record(op, tuple(dist.get_process_group_ranks(group)), tensor.numel(), tensor.dtype)
+        for log in _recording:
+            log.append(entry)
+    if group.group_name in _checked_groups:
+        _agree(op, group, tensor, what)
+
+
+def _failed(
+    op: str, group: ProcessGroup | None, what: str, cause: BaseException
+) -> CollectiveError:
+    ranks = dist.get_process_group_ranks(group) if group is not None else "?"
+    unit = f" of unit {what!r}" if what else ""
+    return CollectiveError(
+        f"rank {dist.get_rank()}: {op}{unit} over ranks {ranks} did not complete: {cause}\n"
+        f"The other ranks of the group did not join it in time: one died or hung, or the "
+        f"ranks took different paths (e.g. batch shapes that change which units run). "
+        f"Mesh(timeout=...) bounds the wait; Mesh(check_collectives=True) (or "
+        f"FUNCSHARD_CHECK_COLLECTIVES=1) compares every collective across ranks first and "
+        f"names the first that differs."
+    )
+
+
+_checked_groups: set[str] = set()
+_OP_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
+
+
+def check_group(group: ProcessGroup) -> None:
+    """Compare every later collective on `group` across its ranks before issuing it
+    (op, element count, dtype, unit): a mismatch raises on every rank instead of corrupting
+    data or hanging in gloo. One small all-gather per collective: for debugging."""
+    if group.size() > 1:
+        _checked_groups.add(group.group_name)
+
+
+def _agree(op: str, group: ProcessGroup, tensor: Tensor, what: str) -> None:
+    mine = (op, tensor.numel(), str(tensor.dtype), what)
+    code = [_OP_CODES[op], tensor.numel(), zlib.crc32(f"{tensor.dtype}|{what}".encode())]
+    local = torch.tensor(code, dtype=torch.int64, device=tensor.device)
+    try:
+        rows = _ops.wait_tensor(
+            _ops.all_gather_into_tensor(local, group.size(), group.group_name)
+        ).view(group.size(), len(code))
+    except RuntimeError as e:
+        raise _failed(f"collective check before {op}", group, what, e) from e
+    if bool((rows == rows[0]).all()):
+        return
+    ranks = dist.get_process_group_ranks(group)
+    theirs = all_gather_object(mine, group)
+    lines = "\n".join(
+        f"  rank {r}: {o} of {n} x {d}" + (f" for unit {w!r}" if w else "")
+        for r, (o, n, d, w) in zip(ranks, theirs, strict=True)
+    )
+    raise CollectiveError(
+        f"rank {dist.get_rank()}: the ranks of group {ranks} are about to issue different "
+        f"collectives:\n{lines}\nEvery rank must run the same units in the same order with "
+        f"the same shapes and dtypes: check that every rank built the same model and plan and "
+        f"that batch shapes do not change which modules run."
+    )
 
 
 def broadcast(tensor: Tensor, group: ProcessGroup, src_rank: int) -> Tensor:

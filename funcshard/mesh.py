@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from funcshard import collectives
 
@@ -35,12 +36,23 @@ class Mesh:
     `Mesh(shard=N)` is FSDP over N ranks, `Mesh(replicate=N)` DDP, and
     `Mesh(replicate=R, shard=S)` HSDP. The product of the sizes must be the world size.
     `device=None` picks cuda when the default process group runs NCCL, else cpu.
+
+    `timeout` bounds how long a collective waits for the other ranks (torch's default is 30
+    minutes on gloo); past it the waiting ranks raise `collectives.CollectiveError` naming
+    the operation, the unit and the ranks. (On NCCL torch's watchdog aborts the process
+    instead.) `check_collectives=True` (default: env FUNCSHARD_CHECK_COLLECTIVES=1) compares
+    every collective across ranks before issuing it, so ranks that diverge raise at once,
+    together; it costs one small all-gather per collective, so it is for debugging.
     """
 
     replicate: int = 1
     shard: int = 1
     device_type: str | None = None
     ranks: tuple[int, ...] = ()
+    timeout: timedelta | None = None
+    check_collectives: bool = field(
+        default_factory=lambda: os.environ.get("FUNCSHARD_CHECK_COLLECTIVES") == "1"
+    )
     _device_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -69,10 +81,12 @@ class Mesh:
         device_type = self.device_type or _default_device_type()
         object.__setattr__(self, "device_type", device_type)
         object.__setattr__(self, "ranks", tuple(range(world)))
-        object.__setattr__(self, "_device_mesh", _cached_mesh(device_type, self.replicate, world))
+        object.__setattr__(
+            self, "_device_mesh", _cached_mesh(device_type, self.replicate, world, self._options)
+        )
 
     @classmethod
-    def from_env(cls, device_type: str | None = None) -> Mesh:
+    def from_env(cls, device_type: str | None = None, timeout: timedelta | None = None) -> Mesh:
         """Shard over every rank that torchrun started, initializing torch.distributed if needed.
 
         Picks cuda + NCCL (one GPU per local rank) when the process sees a GPU, else cpu + gloo.
@@ -88,14 +102,21 @@ class Mesh:
             use_cuda = device_type != "cpu" and torch.cuda.is_available()
             if use_cuda and dist.is_nccl_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-                dist.init_process_group("nccl")
+                dist.init_process_group("nccl", timeout=timeout)
             else:
-                dist.init_process_group("gloo")
-        return cls(shard=dist.get_world_size(), device_type=device_type)
+                dist.init_process_group("gloo", timeout=timeout)
+        return cls(shard=dist.get_world_size(), device_type=device_type, timeout=timeout)
 
     @classmethod
-    def from_device_mesh(cls, device_mesh: DeviceMesh) -> Mesh:
-        """Wrap a DeviceMesh: 2-D as (replicate, shard); 1-D as shard, or replicate if so named."""
+    def from_device_mesh(
+        cls,
+        device_mesh: DeviceMesh,
+        timeout: timedelta | None = None,
+        check_collectives: bool | None = None,
+    ) -> Mesh:
+        """Wrap a DeviceMesh: 2-D as (replicate, shard); 1-D as shard, or replicate if so named.
+
+        A `timeout` is set on the mesh's own process groups (they are the caller's too)."""
         shape = tuple(device_mesh.mesh.shape)
         names = device_mesh.mesh_dim_names or ()
         if len(shape) == 2:
@@ -122,6 +143,8 @@ class Mesh:
             shard=shard,
             device_type=device_mesh.device_type,
             ranks=tuple(device_mesh.mesh.flatten().tolist()),
+            timeout=timeout,
+            **({} if check_collectives is None else {"check_collectives": check_collectives}),
             _device_mesh=device_mesh,
         )
 
@@ -159,33 +182,46 @@ class Mesh:
     @functools.cached_property
     def shard_group(self) -> ProcessGroup:
         """The process group of the ranks that hold the other shards of this rank's params."""
-        return self.device_mesh.get_group("shard")
+        return self._configured(self.device_mesh.get_group("shard"))
 
     @functools.cached_property
     def replicate_group(self) -> ProcessGroup:
         """The process group of the ranks that hold the same shard as this rank."""
-        return self.device_mesh.get_group("replicate")
+        return self._configured(self.device_mesh.get_group("replicate"))
 
     def post_forward_group(self, k: int) -> ProcessGroup:
         """The group of k consecutive shard ranks a unit is resharded over after forward
         (`reshard_after_forward=k`); built once per k, on every rank together."""
         if self.shard_size % k:
             raise ValueError(f"Mesh: {k} does not divide the shard size {self.shard_size}.")
-        key = (dist.group.WORLD, self.device_type, self.replicate, self.shard, k)
+        key = (dist.group.WORLD, self.device_type, self.replicate, self.shard, k, self._options)
         if key not in _SUBMESHES:
             _SUBMESHES[key] = init_device_mesh(
                 self.device_type or "cpu",
                 (self.replicate, self.shard // k, k),
                 mesh_dim_names=("replicate", "shard_outer", "shard_inner"),
             )
-        return _SUBMESHES[key].get_group("shard_inner")
+        return self._configured(_SUBMESHES[key].get_group("shard_inner"))
 
     @functools.cached_property
     def group(self) -> ProcessGroup:
         """The process group of every rank in the mesh (for whole-mesh checks)."""
-        if self.size == dist.get_world_size():
-            return dist.group.WORLD
-        return self.device_mesh._flatten().get_group()
+        if self.size == dist.get_world_size() and self._options == (None, False):
+            return dist.group.WORLD  # the default group's settings are the caller's to choose
+        return self._configured(self.device_mesh._flatten().get_group())
+
+    @property
+    def _options(self) -> tuple[timedelta | None, bool]:
+        """The settings that make this mesh's groups its own (part of the cache keys)."""
+        return (self.timeout, self.check_collectives)
+
+    def _configured(self, group: ProcessGroup) -> ProcessGroup:
+        """Apply this mesh's timeout and collective checks to one of its groups."""
+        if self.timeout is not None:
+            _set_pg_timeout(self.timeout, group)
+        if self.check_collectives:
+            collectives.check_group(group)
+        return group
 
     @property
     def device(self) -> torch.device:
@@ -205,9 +241,10 @@ _SUBMESHES: dict[tuple[object, str | None, int, int, int], DeviceMesh] = {}
 _REWRAPPED: dict[tuple[object, ...], DeviceMesh] = {}
 
 
-def _cached_mesh(device_type: str, replicate: int, world: int) -> DeviceMesh:
-    """Build each mesh shape once per default process group (all ranks do so in step)."""
-    key = (dist.group.WORLD, device_type, replicate, world)
+def _cached_mesh(device_type: str, replicate: int, world: int, options: tuple) -> DeviceMesh:
+    """Build each mesh shape once per default process group and settings (all ranks do so in
+    step); meshes with their own timeout or checks get their own groups."""
+    key = (dist.group.WORLD, device_type, replicate, world, options)
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh(
             device_type, (replicate, world // replicate), mesh_dim_names=AXES

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcshard import collectives
+from funcshard import collectives, finite
 from funcshard.state import ShardedGrads, ShardedState
 from funcshard.tree import register_record
 
@@ -71,6 +71,14 @@ class ChainState:
     states: tuple[Any, ...]
 
 
+@dataclass(frozen=True, eq=False)
+class SkipState:
+    """The wrapped optimizer's state and how many steps were skipped for NaN or inf."""
+
+    inner: Any
+    skipped: Tensor
+
+
 @dataclass(frozen=True)
 class EmptyState:
     """The state of a stateless transformation."""
@@ -79,6 +87,7 @@ class EmptyState:
 register_record(SgdState, data_fields=("step", "momentum"), meta_fields=())
 register_record(AdamState, data_fields=("step", "exp_avg", "exp_avg_sq"), meta_fields=())
 register_record(ChainState, data_fields=("states",), meta_fields=())
+register_record(SkipState, data_fields=("inner", "skipped"), meta_fields=())
 register_record(EmptyState, data_fields=(), meta_fields=())
 
 
@@ -277,7 +286,9 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
             return grads, state
         squares = torch.stack([g.float().square().sum() for g in present]).sum()
         if isinstance(grads, ShardedGrads):
-            squares = collectives.all_reduce(squares, grads.layout.mesh.shard_group, "sum").wait()
+            squares = collectives.all_reduce(
+                squares, grads.layout.mesh.shard_group, "sum", what="<global grad norm>"
+            ).wait()
         scale = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
         scaled = [
             None if g is None else (g.mul_(scale.to(g.dtype)) if donate else g * scale.to(g.dtype))
@@ -302,6 +313,30 @@ def chain(*optimizers: Optimizer) -> Optimizer:
             grads, inner = optimizer.update(grads, inner, params, donate=donate)
             new_states.append(inner)
         return grads, ChainState(states=tuple(new_states))
+
+    return Optimizer(init, update)
+
+
+def skip_nonfinite(optimizer: Optimizer) -> Optimizer:
+    """Skip the step on every rank when any rank's gradients hold NaN or inf.
+
+    A skipped step returns None updates (the parameters stay as they are) and the wrapped
+    state untouched, and counts itself in `opt_state.skipped`. All ranks decide together
+    (see funcshard/finite.py), so replicas never diverge. Communicates: one all-reduce of
+    one integer per step.
+    """
+
+    def init(params: Any) -> SkipState:
+        return SkipState(inner=optimizer.init(params), skipped=torch.zeros((), dtype=torch.int64))
+
+    def update(
+        grads: Any, state: SkipState, params: Any, donate: bool = False
+    ) -> tuple[Any, SkipState]:
+        if finite.any_nonfinite(grads):
+            nothing = _like(grads, [None] * len(_grad_leaves(grads)))
+            return nothing, SkipState(inner=state.inner, skipped=state.skipped + 1)
+        updates, inner = optimizer.update(grads, state.inner, params, donate=donate)
+        return updates, SkipState(inner=inner, skipped=state.skipped)
 
     return Optimizer(init, update)
 

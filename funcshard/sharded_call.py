@@ -238,7 +238,9 @@ class GradRecorder:
                 mesh = layout.mesh
                 if mesh.replicate_size > 1 and self.all_reduce:
                     self.pending[i].append(
-                        collectives.all_reduce(grad, mesh.replicate_group, "avg", inplace=True)
+                        collectives.all_reduce(
+                            grad, mesh.replicate_group, "avg", inplace=True, what=flat.unit
+                        )
                     )
                     self.all_reduced[i] = True
                 else:
@@ -248,7 +250,9 @@ class GradRecorder:
                 # its full-size input, so backward never holds every unit's full gradients.
                 if self.in_flight is not None:
                     self.in_flight.wait()
-                self.in_flight = collectives.reduce_scatter(grad, layout.mesh.shard_group, "avg")
+                self.in_flight = collectives.reduce_scatter(
+                    grad, layout.mesh.shard_group, "avg", what=flat.unit
+                )
                 self.pending[i].append(self.in_flight)
 
 
@@ -385,6 +389,7 @@ class _Run:
                     layout.mesh.device, gather_dtype(self.state.mp, layout.flats[i])
                 ),
                 group,
+                what=layout.flats[i].unit,
             )
             for i in self.binding.unit_flats[unit]
         )
@@ -529,7 +534,8 @@ class _Run:
             self.issue(unit)
             return
         group = self.layout.mesh.post_forward_group(self.post_forward_k)
-        self.pending[unit] = tuple(collectives.all_gather(s, group) for s in slices)
+        name = self.binding.unit_names[unit]
+        self.pending[unit] = tuple(collectives.all_gather(s, group, what=name) for s in slices)
 
     def _backward_next(self, unit: int) -> int | None:
         """The unit to regather next: the explicit order's, or the one that ran just before

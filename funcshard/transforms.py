@@ -113,7 +113,10 @@ def unshard_async(state: ShardedState, units: Sequence[str] | None = None) -> Un
     group = layout.mesh.shard_group
     device = layout.mesh.device
     pending = tuple(
-        (layout.flats[i], collectives.all_gather(state.shards[i].to(device), group))
+        (
+            layout.flats[i],
+            collectives.all_gather(state.shards[i].to(device), group, what=layout.flats[i].unit),
+        )
         for i in indices
     )
     replicated = {f: t.clone() for f, t in state.replicated.items()} if units is None else {}
@@ -166,12 +169,12 @@ def reduce(
             continue
         dtype = reduce_dtype(state.mp, flat)
         padded = _padded_flat([full_grads.get(f) for f in flat.fqns], flat, dtype, mesh.device)
-        scattered.append(collectives.reduce_scatter(padded, mesh.shard_group, op))
+        scattered.append(collectives.reduce_scatter(padded, mesh.shard_group, op, what=flat.unit))
     replicated_reduce = [
         None
         if p is None or not all_reduce
-        else collectives.all_reduce(p.wait(), mesh.replicate_group, op)
-        for p in scattered
+        else collectives.all_reduce(p.wait(), mesh.replicate_group, op, what=flat.unit)
+        for flat, p in zip(layout.flats, scattered, strict=True)
     ]
     shards = []
     for flat, p, r in zip(layout.flats, scattered, replicated_reduce, strict=True):

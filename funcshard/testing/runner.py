@@ -48,7 +48,11 @@ T = TypeVar("T")
 
 
 def run(
-    fn: Callable[[int], T], world_size: int = 2, backend: str = "gloo", timeout: float = 60.0
+    fn: Callable[[int], T],
+    world_size: int = 2,
+    backend: str = "gloo",
+    timeout: float = 60.0,
+    fresh: bool = False,
 ) -> list[T]:
     """Run `fn(rank)` on every rank of a `world_size` process group; return the results by rank.
 
@@ -57,9 +61,18 @@ def run(
     every rank sees the same example. A rank's exception is re-raised here with its rank and
     remote traceback; a hang past `timeout` seconds raises TimeoutError naming the ranks that
     did not finish and where each was waiting.
+
+    `fresh=True` runs on ranks of their own, ended afterwards: for tests that break process
+    groups on purpose (timeouts, faults) and must not leave them to later calls.
     """
     if world_size < 1:
         raise ValueError(f"testing.run: world_size must be at least 1, got {world_size}.")
+    if fresh:
+        pool = WorkerPool(world_size, backend)
+        try:
+            return pool.run(fn, timeout)
+        finally:
+            pool.close(kill=True)
     key = (world_size, backend)
     pool = _POOLS.get(key)
     if pool is None or not pool.alive():
@@ -202,11 +215,12 @@ class WorkerPool:
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers: politely (they leave the process group), or at once with `kill`."""
+        if kill:  # before closing the pipes, which would start a polite shutdown
+            for proc in self._procs:
+                proc.kill()
         for conn in self._conns:
             conn.close()
         for proc in self._procs:
-            if kill:
-                proc.kill()
             proc.join(5.0)
             if proc.is_alive():
                 proc.kill()

@@ -1,0 +1,214 @@
+"""Faults: collectives that never complete, ranks that diverge, NaN/inf, and determinism."""
+
+import functools
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcshard as fs
+from funcshard import collectives, testing
+from funcshard.finite import NonFiniteError
+from funcshard.testing.models import GPT, Block, GPTConfig
+
+BLOCKS = fs.policy.module_classes({Block})
+
+
+def _tokens(cfg: GPTConfig, batch: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def _gpt_loss(model, state, x, y):
+    return F.cross_entropy(fs.call(model, state, x).flatten(0, 1), y.flatten())
+
+
+def _gpt_state(mesh: fs.Mesh, n_layer: int = 2):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=n_layer))
+    return model, fs.shard(model, fs.plan(model, policy=BLOCKS), mesh)
+
+
+# -- a collective that never completes ------------------------------------------------------
+
+
+def _rank1_never_joins(rank: int) -> tuple[str, float]:
+    mesh = fs.Mesh(shard=2, timeout=timedelta(seconds=1))
+    _, state = _gpt_state(mesh)
+    if rank == 1:
+        return "", 0.0  # rank 1 moves on; rank 0 gathers alone
+    started = time.perf_counter()
+    try:
+        fs.unshard(state, units=["blocks.1"])
+    except collectives.CollectiveError as e:
+        return str(e), time.perf_counter() - started
+    return "no error", 0.0
+
+
+def test_a_collective_that_never_completes_raises_within_the_timeout_naming_it():
+    message, waited = testing.run(_rank1_never_joins, fresh=True, timeout=60)[0]
+    assert message.startswith("rank 0: all_gather of unit 'blocks.1' over ranks [0, 1]"), message
+    assert "Mesh(check_collectives=True)" in message
+    assert waited < 10
+
+
+# -- ranks that take different paths --------------------------------------------------------
+
+
+class ShapeDependent(nn.Module):
+    """Runs `extra` only for long sequences: ranks with different batch shapes diverge."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.extra = nn.Linear(8, 16)
+        self.last = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if x.shape[0] > 4:
+            h = h + self.extra(h)[:, :8]
+        return self.last(h).sum()
+
+
+def _diverging_batches(check: bool, rank: int) -> str:
+    torch.manual_seed(0)
+    model = ShapeDependent()
+    mesh = fs.Mesh(shard=2, check_collectives=check, timeout=timedelta(seconds=2))
+    policy = fs.policy.module_classes({nn.Linear})
+    state = fs.shard(model, fs.plan(model, policy=policy), mesh)
+    x = torch.randn(6 if rank == 0 else 3, 8)
+    try:
+        fs.value_and_grad(lambda s: fs.call(model, s, x))(state)
+    except collectives.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_whose_batch_shapes_change_the_units_they_run_raise_together_when_checked():
+    messages = testing.run(functools.partial(_diverging_batches, True), fresh=True, timeout=60)
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"rank {rank}: the ranks of group [0, 1] are about to issue")
+        # rank 0 gathers `extra`; rank 1, which skipped it, already regathers `first` for backward
+        assert "rank 0: all_gather of 72 x torch.float32 for unit 'extra'" in message
+        assert "rank 1: all_gather of 36 x torch.float32 for unit 'first'" in message
+
+
+def test_unchecked_the_same_divergence_is_fatal_in_gloo_which_is_why_checks_exist():
+    # gloo sees 144 bytes arrive where it expected 72 and aborts the process (signal 6)
+    with pytest.raises(testing.RankDied, match=r"rank [01] died with signal 6"):
+        testing.run(functools.partial(_diverging_batches, False), fresh=True, timeout=60)
+
+
+# -- non-finite values ----------------------------------------------------------------------
+
+
+def _poisoned_batch(rank: int, poison_rank: int, cfg: GPTConfig):
+    x, y = _tokens(cfg, 2, seed=rank)
+    return x, y, rank == poison_rank
+
+
+def _nan_loss(model, state, x, y, poison):
+    loss = _gpt_loss(model, state, x, y)
+    return loss * float("nan") if poison else loss
+
+
+def _check_finite_raises(rank: int) -> str:
+    model, state = _gpt_state(fs.Mesh(shard=2))
+    x, y, poison = _poisoned_batch(rank, 1, model.cfg)
+    grad_fn = fs.value_and_grad(functools.partial(_nan_loss, model), check_finite=True)
+    try:
+        grad_fn(state, x, y, poison)
+    except NonFiniteError as e:
+        return str(e)
+    return "no error"
+
+
+def test_check_finite_raises_on_every_rank_naming_where():
+    messages = testing.run(_check_finite_raises)
+    for message in messages:
+        assert "NaN or inf in the loss on ranks [1]" in message
+        assert "gradients of unit 'blocks.0' (on ranks [0, 1])" in message
+
+
+def _inf_grad_of_first_weight(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """Adds 0 to the output, and an infinite gradient to the module's first weight element:
+    after the reduce-scatter only the rank owning that element sees it."""
+    w = module.weight.flatten()[0]
+    return out + torch.sqrt(w - w.detach())
+
+
+def _skip_run(rank: int) -> dict:
+    model, state = _gpt_state(fs.Mesh(shard=2))
+    opt = fs.optim.skip_nonfinite(fs.optim.chain(fs.optim.clip_by_global_norm(1.0), _adamw()))
+    opt_state = opt.init(state)
+    grad_fn = fs.value_and_grad(functools.partial(_gpt_loss, model))
+    before = fs.unshard(state)
+    for step in range(3):
+        x, y = _tokens(model.cfg, 2, seed=rank)
+        hook = None
+        if step == 1 and rank == 1:  # rank 1's batch poisons blocks.0, shard of rank 0
+            hook = model.blocks[0].ln1.register_forward_hook(_inf_grad_of_first_weight)
+        _, grads = grad_fn(state, x, y)
+        if hook is not None:
+            hook.remove()
+        updates, opt_state = opt.update(grads, opt_state, state, donate=True)
+        state = fs.apply_updates(state, updates, donate=True)
+        if step == 1:
+            unchanged = all(torch.equal(before[k], v) for k, v in fs.unshard(state).items())
+        before = fs.unshard(state)
+    return {
+        "skipped": int(opt_state.skipped),
+        "unchanged_on_skip": unchanged,
+        "params": fs.unshard(state),
+        "finite": all(v.isfinite().all() for v in before.values()),
+    }
+
+
+def _adamw():
+    return fs.optim.adamw(1e-2, eps=1e-3)
+
+
+def test_skip_nonfinite_skips_on_every_rank_and_the_replicas_stay_equal():
+    results = testing.run(_skip_run)
+    for r in results:
+        assert r["skipped"] == 1 and r["unchanged_on_skip"] and r["finite"]
+    for k, v in results[0]["params"].items():
+        assert torch.equal(v, results[1]["params"][k]), k
+
+
+# -- determinism ----------------------------------------------------------------------------
+
+
+def _train(mode: str, rank: int) -> dict:
+    mesh = fs.Mesh(shard=2) if mode == "fsdp" else fs.Mesh(replicate=2)
+    torch.manual_seed(1234)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2))
+    if mode == "fsdp":
+        state = fs.shard(model, fs.plan(model, policy=BLOCKS), mesh, seed=7)
+    else:
+        state = fs.replicate(model, mesh, seed=7)
+    opt = _adamw()
+    opt_state = opt.init(state)
+    grad_fn = fs.value_and_grad(functools.partial(_gpt_loss, model))
+    for step in range(3):
+        x, y = _tokens(model.cfg, 2, seed=100 * step + rank)
+        _, grads = grad_fn(state, x, y)
+        updates, opt_state = opt.update(grads, opt_state, state)
+        state = fs.apply_updates(state, updates)
+    return {"shards": [s.clone() for s in state.shards], "moments": opt_state.exp_avg_sq}
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "replicate"])
+def test_two_runs_with_the_same_seeds_are_bitwise_identical(mode):
+    first = testing.run(functools.partial(_train, mode))
+    second = testing.run(functools.partial(_train, mode))
+    for a, b in zip(first, second, strict=True):
+        mine, again = [*a["shards"], *a["moments"]], [*b["shards"], *b["moments"]]
+        for x, y in zip(mine, again, strict=True):
+            assert torch.equal(x, y)
