@@ -7,6 +7,8 @@ from funcshard import testing as testing
 from funcshard.autodiff import accumulate as accumulate
 from funcshard.autodiff import grad as grad
 from funcshard.autodiff import value_and_grad as value_and_grad
+from funcshard.collectives import CollectiveError as CollectiveError
+from funcshard.finite import NonFiniteError as NonFiniteError
 from funcshard.layout import FlatLayout as FlatLayout
 from funcshard.layout import Layout as Layout
 from funcshard.mesh import Mesh as Mesh
@@ -20,6 +22,7 @@ from funcshard.precision import MixedPrecision as MixedPrecision
 from funcshard.replicate import replicate as replicate
 from funcshard.sharded_call import Prefetch as Prefetch
 from funcshard.sharded_call import call as call
+from funcshard.state import DonatedError as DonatedError
 from funcshard.state import LocalGrads as LocalGrads
 from funcshard.state import ShardedGrads as ShardedGrads
 from funcshard.state import ShardedState as ShardedState
@@ -32,11 +35,14 @@ from funcshard.transforms import unshard as unshard
 from funcshard.transforms import unshard_async as unshard_async
 
 __all__ = [
+    "CollectiveError",
+    "DonatedError",
     "FlatLayout",
     "Layout",
     "LocalGrads",
     "Mesh",
     "MixedPrecision",
+    "NonFiniteError",
     "Plan",
     "Prefetch",
     "ShardedGrads",

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from funcshard import collectives
 from funcshard.layout import FlatLayout, Layout
-from funcshard.state import ShardedState
+from funcshard.state import ShardedState, ensure_live
 from funcshard.tree import format_names
 
 LATEST = "LATEST"
@@ -47,6 +47,7 @@ def save(
 
     Returns the directory written. Communicates: DCP's collective save plus barriers.
     """
+    ensure_live(state, "checkpoint.save")
     try:  # on every rank, before any collective: a late failure on one rank would hang
         meta = json.dumps({"step": step, "extra": extra})
     except TypeError as e:

@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives, finite
-from funcshard.state import ShardedGrads, ShardedState
+from funcshard.state import ShardedGrads, ShardedState, ensure_live
+from funcshard.state import donate as donate_record
 from funcshard.tree import register_record
 
 LearningRate = float | Callable[[int], float]
@@ -93,6 +94,7 @@ register_record(EmptyState, data_fields=(), meta_fields=())
 
 def _param_leaves(params: Any) -> list[Tensor]:
     if isinstance(params, ShardedState):
+        ensure_live(params, "optim")
         return list(params.shards)
     if isinstance(params, Mapping):
         return list(params.values())
@@ -104,6 +106,7 @@ def _param_leaves(params: Any) -> list[Tensor]:
 
 def _grad_leaves(grads: Any) -> list[Tensor | None]:
     if isinstance(grads, ShardedGrads):
+        ensure_live(grads, "optim")
         return list(grads.shards)
     if isinstance(grads, Mapping):
         return list(grads.values())
@@ -113,9 +116,12 @@ def _grad_leaves(grads: Any) -> list[Tensor | None]:
     )
 
 
-def _like(grads: Any, leaves: list[Tensor | None]) -> Any:
-    """Put leaves back into the container type of `grads`."""
+def _like(grads: Any, leaves: list[Tensor | None], donated: bool = False) -> Any:
+    """Put leaves back into the container type of `grads` (marking `grads` as used up when
+    its buffers were `donated` to hold the new leaves)."""
     if isinstance(grads, ShardedGrads):
+        if donated:
+            donate_record(grads, "an optimizer update(donate=True)")
         return ShardedGrads(shards=tuple(leaves), layout=grads.layout)
     return dict(zip(grads.keys(), leaves, strict=True))
 
@@ -167,7 +173,7 @@ def sgd(
                 momenta[i] = buf
                 g = g.add(buf, alpha=momentum) if nesterov else buf
             updates[i] = g.mul_(-rate) if donate and g is not momenta[i] else g.mul(-rate)
-        return _like(grads, updates), SgdState(step=step, momentum=tuple(momenta))
+        return _like(grads, updates, donate), SgdState(step=step, momentum=tuple(momenta))
 
     return Optimizer(init, update)
 
@@ -263,7 +269,7 @@ def _adam_family(
                 update = torch.view_as_complex(update)
             updates[i], m_all[i], v_all[i] = update, m, v
         new_state = AdamState(step=step, exp_avg=tuple(m_all), exp_avg_sq=tuple(v_all))
-        return _like(grads, updates), new_state
+        return _like(grads, updates, donate), new_state
 
     return Optimizer(init, update)
 
@@ -294,7 +300,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
             None if g is None else (g.mul_(scale.to(g.dtype)) if donate else g * scale.to(g.dtype))
             for g in leaves
         ]
-        return _like(grads, scaled), state
+        return _like(grads, scaled, donate), state
 
     return Optimizer(init, update)
 
@@ -359,6 +365,8 @@ def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:
         for p, u in zip(old, delta, strict=True)
     ]
     if isinstance(params, ShardedState):
+        if donate:
+            donate_record(params, "apply_updates(donate=True)")
         return params.replace(shards=tuple(new))
     return dict(zip(params.keys(), new, strict=True))
 

@@ -49,7 +49,7 @@ from funcshard import collectives
 from funcshard.layout import Layout, param_views
 from funcshard.module import call as call_on_dict
 from funcshard.precision import gather_dtype, reduce_dtype
-from funcshard.state import ShardedState
+from funcshard.state import ShardedState, ensure_live
 from funcshard.tree import format_names, join_fqn
 
 
@@ -607,6 +607,7 @@ def call(
             model, params, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
         )
     state = params
+    ensure_live(state, "call")
     binding = bind(model, state.layout)
     run = _Run(binding, state, _RECORDER.get())
     new_buffers = {

@@ -19,6 +19,29 @@ from funcshard.precision import MixedPrecision
 from funcshard.tree import register_record
 
 
+class DonatedError(RuntimeError):
+    """A state or grads record was used after its memory was donated to another call."""
+
+
+def donate(record: object, to: str) -> None:
+    """Mark `record` (a ShardedState or ShardedGrads) as given to `to`, which reuses its
+    memory for its result: any later use raises DonatedError instead of reading those
+    numbers (JAX deletes donated arrays for the same reason)."""
+    object.__setattr__(record, "_donated_to", to)
+
+
+def ensure_live(record: object, where: str) -> None:
+    """Raise DonatedError if `record` was donated."""
+    to = record.__dict__.get("_donated_to")
+    if to is not None:
+        kind = type(record).__name__
+        raise DonatedError(
+            f"funcshard.{where}: this {kind} was donated to {to}, whose result now lives in "
+            f"its memory. Use the {kind} that call returned, or call it with donate=False "
+            f"to keep this one."
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class ShardedState:
     """A model's parameters sharded over a mesh, plus its replicated tensors.

@@ -21,7 +21,7 @@ from funcshard.mesh import Mesh
 from funcshard.module import feed_tied, reparametrized
 from funcshard.plan import Plan
 from funcshard.precision import MixedPrecision, reduce_dtype
-from funcshard.state import LocalGrads, ShardedGrads, ShardedState
+from funcshard.state import LocalGrads, ShardedGrads, ShardedState, ensure_live
 from funcshard.tree import format_names
 
 
@@ -106,6 +106,7 @@ class UnshardHandle:
 
 def unshard_async(state: ShardedState, units: Sequence[str] | None = None) -> UnshardHandle:
     """Start `unshard`: issue every all-gather now and return a handle to wait on."""
+    ensure_live(state, "unshard")
     layout = state.layout
     if isinstance(units, str):
         units = (units,)

@@ -212,3 +212,38 @@ def test_two_runs_with_the_same_seeds_are_bitwise_identical(mode):
         mine, again = [*a["shards"], *a["moments"]], [*b["shards"], *b["moments"]]
         for x, y in zip(mine, again, strict=True):
             assert torch.equal(x, y)
+
+
+# -- donated records ------------------------------------------------------------------------
+
+
+def _use_after_donation(rank: int) -> list[str]:
+    model, state = _gpt_state(fs.Mesh(shard=2))
+    opt = _adamw()
+    opt_state = opt.init(state)
+    x, y = _tokens(model.cfg, 2, seed=rank)
+    _, grads = fs.value_and_grad(functools.partial(_gpt_loss, model))(state, x, y)
+    updates, opt_state = opt.update(grads, opt_state, state, donate=True)
+    new_state = fs.apply_updates(state, updates, donate=True)
+    messages = []
+    for use in (
+        lambda: fs.call(model, state, x),
+        lambda: fs.unshard(state),
+        lambda: opt.update(grads, opt_state, new_state),
+        lambda: fs.apply_updates(state, updates),
+    ):
+        with pytest.raises(fs.DonatedError) as caught:
+            use()
+        messages.append(str(caught.value))
+    fs.call(model, new_state, x)  # what the donating calls returned is live
+    return messages
+
+
+def test_a_donated_state_or_grads_cannot_be_used_again():
+    messages = testing.run(_use_after_donation)[0]
+    assert messages[0].startswith(
+        "funcshard.call: this ShardedState was donated to apply_updates(donate=True)"
+    )
+    assert "funcshard.unshard: this ShardedState was donated" in messages[1]
+    assert "this ShardedGrads was donated to an optimizer update(donate=True)" in messages[2]
+    assert "Use the ShardedState that call returned" in messages[3]
