@@ -1,6 +1,8 @@
 """Faults: collectives that never complete, ranks that diverge, NaN/inf, and determinism."""
 
 import functools
+import os
+import signal
 import time
 from datetime import timedelta
 
@@ -247,3 +249,29 @@ def test_a_donated_state_or_grads_cannot_be_used_again():
     assert "funcshard.unshard: this ShardedState was donated" in messages[1]
     assert "this ShardedGrads was donated to an optimizer update(donate=True)" in messages[2]
     assert "Use the ShardedState that call returned" in messages[3]
+
+
+# -- a rank that dies mid-step ----------------------------------------------------------------
+
+
+def _die(module: nn.Module, args: tuple) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _rank1_killed_mid_forward(rank: int) -> None:
+    model, state = _gpt_state(fs.Mesh(shard=2, timeout=timedelta(seconds=5)), n_layer=3)
+    if rank == 1:
+        model.blocks[1].register_forward_pre_hook(_die)
+    x, y = _tokens(model.cfg, 2, seed=rank)
+    fs.value_and_grad(functools.partial(_gpt_loss, model))(state, x, y)
+
+
+def test_a_rank_killed_mid_step_makes_the_survivor_raise_naming_the_collective():
+    started = time.perf_counter()
+    with pytest.raises(testing.RankDied, match="rank 1 died with signal 9") as caught:
+        testing.run(_rank1_killed_mid_forward, fresh=True, timeout=60)
+    survivor = caught.value.__cause__
+    assert isinstance(survivor, collectives.CollectiveError), survivor
+    assert str(survivor).startswith("rank 0: all_gather of unit 'blocks.")
+    assert "over ranks [0, 1] did not complete" in str(survivor)
+    assert time.perf_counter() - started < 20

@@ -141,30 +141,43 @@ class WorkerPool:
         return [pickle.loads(replies[r][1]) for r in range(self.world_size)]
 
     def _collect(self, name: str, timeout: float) -> dict[int, tuple[Any, ...]]:
-        """Wait for every rank's reply; raise on a dead rank or when `timeout` runs out."""
+        """Wait for every rank's reply; raise on a dead rank or when `timeout` runs out.
+
+        After a rank dies the others get `DEATH_GRACE` seconds more to report, so the error
+        also says how the survivors noticed (their exception becomes its cause).
+        """
         replies: dict[int, tuple[Any, ...]] = {}
+        dead: list[int] = []
         deadline = time.monotonic() + timeout
-        while len(replies) < self.world_size:
-            pending = [r for r in range(self.world_size) if r not in replies]
+        while pending := [r for r in range(self.world_size) if r not in replies and r not in dead]:
             waitables = [self._conns[r] for r in pending] + [
                 self._procs[r].sentinel for r in pending
             ]
             ready = wait(waitables, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
+                if dead:
+                    break
                 raise self._timeout(name, timeout, pending, replies)
             for r in pending:
                 if self._conns[r] in ready or self._procs[r].sentinel in ready:
-                    replies[r] = self._receive(name, r, replies)
+                    reply = self._receive(r)
+                    if reply is None:
+                        dead.append(r)
+                        deadline = min(deadline, time.monotonic() + DEATH_GRACE)
+                    else:
+                        replies[r] = reply
+        if dead:
+            raise self._died(name, dead[0], replies)
         return replies
 
-    def _receive(self, name: str, rank: int, replies: dict[int, tuple[Any, ...]]) -> tuple:
-        """Read a rank's reply; a closed pipe means the rank died before it could answer."""
+    def _receive(self, rank: int) -> tuple | None:
+        """Read a rank's reply; None when the pipe closed, i.e. the rank died before answering."""
         try:
             if self._conns[rank].poll():
                 return pickle.loads(self._conns[rank].recv_bytes())
         except (EOFError, ConnectionResetError):
             pass
-        raise self._died(name, rank, replies)
+        return None
 
     def _timeout(
         self, name: str, timeout: float, pending: list[int], replies: dict[int, tuple[Any, ...]]
@@ -229,6 +242,7 @@ class WorkerPool:
 
 
 _POOLS: dict[tuple[int, str], WorkerPool] = {}
+DEATH_GRACE = 10.0  # seconds the surviving ranks get to report after one dies
 
 
 @atexit.register
