@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,9 @@ class DemoConfig:
     n_layer: int = 4
     lr: float = 3e-3
     checkpoint_dir: str | None = None
+    checkpoint_every: int = 100
     resume: bool = False
+    timeout: float = 60.0  # seconds a collective may wait for the other ranks
     plot: str | None = "demo_loss.png"
 
 
@@ -72,13 +75,14 @@ def batches(data: torch.Tensor, cfg: DemoConfig, step: int, rows: int, offset: i
 
 
 def _mesh(cfg: DemoConfig) -> fs.Mesh:
+    timeout = timedelta(seconds=cfg.timeout)
     if cfg.mode == "replicate":
-        return fs.Mesh(replicate=cfg.nproc)
+        return fs.Mesh(replicate=cfg.nproc, timeout=timeout)
     if cfg.mode == "hsdp":
         if cfg.nproc % 2:
             raise ValueError(f"demo: --mode hsdp needs an even --nproc, got {cfg.nproc}")
-        return fs.Mesh(replicate=2, shard=cfg.nproc // 2)
-    return fs.Mesh(shard=cfg.nproc)
+        return fs.Mesh(replicate=2, shard=cfg.nproc // 2, timeout=timeout)
+    return fs.Mesh(shard=cfg.nproc, timeout=timeout)
 
 
 def _model_config(cfg: DemoConfig) -> GPTConfig:
@@ -144,7 +148,9 @@ def train_rank(cfg: DemoConfig, rank: int) -> dict:
             losses.append(_mean_over_ranks(loss, mesh))
             if bar is not None:
                 _advance(bar, losses[-1], step + 1 - start_step, started, cfg)
-            if cfg.checkpoint_dir and ((step + 1) % 100 == 0 or step + 1 == cfg.steps):
+            if cfg.checkpoint_dir and (
+                (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps
+            ):
                 checkpoint.save(cfg.checkpoint_dir, state, opt_state, step=step + 1)
         elapsed = time.perf_counter() - started
         if bar is not None:
@@ -284,7 +290,19 @@ def plot(losses: list[float], path: str) -> str | None:
 def run(cfg: DemoConfig) -> int:
     """Train, check parity, report. Returns a process exit code."""
     print(f"funcshard demo: {cfg.mode} on {cfg.nproc} local gloo ranks, {cfg.steps} steps")
-    reports = testing.run(functools.partial(train_rank, cfg), world_size=cfg.nproc, timeout=3600)
+    try:
+        reports = testing.run(
+            functools.partial(train_rank, cfg), world_size=cfg.nproc, timeout=3600
+        )
+    except (testing.RankDied, fs.CollectiveError) as e:
+        print(f"demo stopped: {str(e).splitlines()[0]}", file=sys.stderr)
+        if cfg.checkpoint_dir:
+            print(
+                f"Run the same command with --resume to continue from the last checkpoint in "
+                f"{cfg.checkpoint_dir}.",
+                file=sys.stderr,
+            )
+        return 2
     parity = (
         parity_check(cfg, reports)
         if reports[0]["start_step"] == 0 and not cfg.mp
@@ -307,7 +325,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mp", choices=["bf16"], default=None)
     parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--timeout", type=float, default=d.timeout, help="seconds a collective may wait"
+    )
     parser.add_argument("--plot", default=d.plot)
 
 
@@ -319,7 +341,9 @@ def from_arguments(args: argparse.Namespace) -> DemoConfig:
         reshard_after_forward=args.reshard_after_forward,
         mp=args.mp,
         checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        timeout=args.timeout,
         plot=args.plot,
     )
 
