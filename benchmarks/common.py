@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: timing, data and the three training steps compared."""
+"""Shared pieces of the benchmarks: names, timing, data and the training steps compared."""
 
 from __future__ import annotations
 
@@ -12,6 +12,32 @@ from torch import nn
 
 import funcshard as fs
 from funcshard.testing.models import GPT, Block, GPTConfig
+
+# The contenders, named alike in every benchmark, table and plot.
+FUNCSHARD = "funcshard"
+REPLICATE = "funcshard replicate"  # funcshard's functional DDP
+FSDP2 = "FSDP2"
+DDP = "DDP"
+PLAIN = "plain (1 process)"
+
+
+def ratio(a: float, b: float) -> str:
+    """`a / b` as it appears in the tables, e.g. `0.73x`."""
+    return f"{a / b:.2f}x"
+
+
+def ms(seconds: float) -> str:
+    """Milliseconds to three or so significant digits: `447`, `53.3`, `0.42`."""
+    return _digits(seconds * 1e3)
+
+
+def mib(nbytes: int) -> str:
+    """Mebibytes to three or so significant digits."""
+    return _digits(nbytes / 2**20)
+
+
+def _digits(v: float) -> str:
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
 
 
 def interleaved_medians(
