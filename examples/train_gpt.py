@@ -12,6 +12,7 @@ import argparse
 import functools
 import glob
 import os
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +38,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
     parser.add_argument("--mode", choices=["fsdp", "replicate"], default="fsdp")
-    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-dir", default=None, help="saves here; resumes from here")
+    parser.add_argument("--checkpoint-every", type=int, default=100)
     args = parser.parse_args()
 
-    mesh = fs.Mesh.from_env()  # shard over every rank torchrun started
+    # shard over every rank torchrun started; a collective waits at most a minute for the others
+    mesh = fs.Mesh.from_env(timeout=timedelta(minutes=1))
     if args.mode == "replicate":
-        mesh = fs.Mesh(replicate=mesh.size)
+        mesh = fs.Mesh(replicate=mesh.size, timeout=mesh.timeout)
     rank, world = torch.distributed.get_rank(), mesh.size
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
     with torch.device("meta"):
@@ -57,7 +60,9 @@ def main() -> None:
     if args.checkpoint_dir and os.path.exists(os.path.join(args.checkpoint_dir, "LATEST")):
         state, opt_state, start, _ = fs.checkpoint.load(
             args.checkpoint_dir, like=(state, opt_state)
-        )
+        )  # e.g. after torchrun --max-restarts restarted every rank
+        if rank == 0:
+            print(f"resumed from step {start}", flush=True)
 
     data = stdlib_bytes()
     grad_fn = fs.value_and_grad(functools.partial(loss_fn, model))
@@ -71,7 +76,7 @@ def main() -> None:
         state = fs.apply_updates(state, updates, donate=True)
         if rank == 0 and step % 50 == 0:
             print(f"step {step} loss {loss.item():.3f}", flush=True)
-        if args.checkpoint_dir and (step + 1) % 100 == 0:
+        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
             fs.checkpoint.save(args.checkpoint_dir, state, opt_state, step=step + 1)
     if rank == 0:
         print(f"final loss {loss.item():.3f}")

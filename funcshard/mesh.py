@@ -40,9 +40,10 @@ class Mesh:
     `timeout` bounds how long a collective waits for the other ranks (torch's default is 30
     minutes on gloo); past it the waiting ranks raise `collectives.CollectiveError` naming
     the operation, the unit and the ranks. (On NCCL torch's watchdog aborts the process
-    instead.) `check_collectives=True` (default: env FUNCSHARD_CHECK_COLLECTIVES=1) compares
-    every collective across ranks before issuing it, so ranks that diverge raise at once,
-    together; it costs one small all-gather per collective, so it is for debugging.
+    instead.) `check_collectives=True` (default: env FUNCSHARD_CHECK_COLLECTIVES=1 or
+    TORCH_DISTRIBUTED_DEBUG=DETAIL) compares every collective across ranks before issuing
+    it, so ranks that diverge raise at once, together; it costs one small all-gather per
+    collective, so it is for debugging.
     """
 
     replicate: int = 1
@@ -50,9 +51,7 @@ class Mesh:
     device_type: str | None = None
     ranks: tuple[int, ...] = ()
     timeout: timedelta | None = None
-    check_collectives: bool = field(
-        default_factory=lambda: os.environ.get("FUNCSHARD_CHECK_COLLECTIVES") == "1"
-    )
+    check_collectives: bool = field(default_factory=lambda: _debug_from_env())
     _device_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -229,6 +228,15 @@ class Mesh:
         if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type or "cpu")
+
+
+def _debug_from_env() -> bool:
+    """Checks are on with FUNCSHARD_CHECK_COLLECTIVES=1, or torch's own
+    TORCH_DISTRIBUTED_DEBUG=DETAIL, which checks torch's collectives the same way."""
+    return (
+        os.environ.get("FUNCSHARD_CHECK_COLLECTIVES") == "1"
+        or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+    )
 
 
 def _default_device_type() -> str:

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,12 @@ def _grandchildren(pid: int) -> list[int]:
     return sorted(g for c in _children(pid) for g in _children(c))
 
 
+def _workers(pid: int) -> list[int]:
+    """The demo's ranks are forked by a forkserver (grandchildren); torchrun's are its
+    children."""
+    return _grandchildren(pid) or _children(pid)
+
+
 def _committed_step(directory) -> int:
     """The step of the checkpoint LATEST names (a save in progress does not count)."""
     try:
@@ -51,7 +58,7 @@ def _kill_a_rank_after(process: subprocess.Popen, directory, step: int) -> None:
         assert process.poll() is None, "the run ended before a rank could be killed"
         assert time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.05)
-    ranks = _grandchildren(process.pid)
+    ranks = _workers(process.pid)
     assert ranks, "found no rank processes"
     os.kill(ranks[-1], signal.SIGKILL)
 
@@ -97,3 +104,20 @@ def test_the_demo_killed_mid_run_resumes_and_ends_exactly_as_an_uninterrupted_ru
     assert f"resumed from step {saved} " in again.stdout
     # the same final parameters: the same last loss and the same greedy sample
     assert _outcome(again.stdout) == _outcome(whole.stdout)
+
+
+def test_under_torchrun_elastic_restarts_a_killed_rank_is_recovered_from_the_checkpoint(tmp_path):
+    script = Path(__file__).parents[1] / "examples" / "train_gpt.py"
+    cmd = [
+        *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+        *["--max-restarts", "1", str(script), "--steps", "40", "--checkpoint-every", "5"],
+        *["--checkpoint-dir", str(tmp_path)],
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _kill_a_rank_after(run, tmp_path, step=10)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    resumed = int(out.split("resumed from step ")[1].split()[0])
+    assert resumed >= 10 and resumed % 5 == 0
+    assert "final loss" in out and _committed_step(tmp_path) == 40
