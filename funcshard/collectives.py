@@ -97,7 +97,7 @@ class Pending:
 
     def wait(self) -> Tensor:
         if not self._done:
-            try:
+            try:  # a collective's failure (timeout, a peer gone) surfaces here
                 self._tensor = _ops.wait_tensor(self._tensor)
             except RuntimeError as e:
                 raise _failed(self._op, self._group, self._what, e) from e
@@ -113,10 +113,7 @@ def all_gather(shard: Tensor, group: ProcessGroup, what: str = "") -> Pending:
     if group.size() == 1:
         return Pending(shard, done=True)
     _before("all_gather", group, shard, what)
-    try:
-        out = _ops.all_gather_into_tensor(shard, group.size(), group.group_name)
-    except RuntimeError as e:
-        raise _failed("all_gather", group, what, e) from e
+    out = _ops.all_gather_into_tensor(shard, group.size(), group.group_name)
     return Pending(out, op="all_gather", group=group, what=what)
 
 
@@ -125,10 +122,7 @@ def reduce_scatter(flat: Tensor, group: ProcessGroup, op: str = "avg", what: str
     if group.size() == 1:
         return Pending(flat, done=True)
     _before("reduce_scatter", group, flat, what)
-    try:
-        out = _ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name)
-    except RuntimeError as e:
-        raise _failed("reduce_scatter", group, what, e) from e
+    out = _ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name)
     return Pending(out, op="reduce_scatter", group=group, what=what)
 
 
@@ -144,10 +138,7 @@ def all_reduce(
         return Pending(tensor, done=True)
     _before("all_reduce", group, tensor, what)
     reduce = _ops.all_reduce_ if inplace else _ops.all_reduce
-    try:
-        out = reduce(tensor, op, group.group_name)
-    except RuntimeError as e:
-        raise _failed("all_reduce", group, what, e) from e
+    out = reduce(tensor, op, group.group_name)
     return Pending(out, op="all_reduce", group=group, what=what)
 
 

@@ -85,7 +85,7 @@ def _mesh(cfg: DemoConfig) -> fs.Mesh:
     return fs.Mesh(shard=cfg.nproc, timeout=timeout)
 
 
-def _model_config(cfg: DemoConfig) -> GPTConfig:
+def model_config(cfg: DemoConfig) -> GPTConfig:
     return GPTConfig(
         vocab_size=256,
         block_size=cfg.block_size,
@@ -95,7 +95,7 @@ def _model_config(cfg: DemoConfig) -> GPTConfig:
     )
 
 
-def _loss(model: GPT, params: object, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def lm_loss(model: GPT, params: object, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = fs.call(model, params, x).float()
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
@@ -105,7 +105,7 @@ def train_rank(cfg: DemoConfig, rank: int) -> dict:
     data = torch.frombuffer(bytearray(stdlib_text()), dtype=torch.uint8).long()
     mesh = _mesh(cfg)
     with torch.device("meta"):
-        model = GPT(_model_config(cfg))
+        model = GPT(model_config(cfg))
     mp = (
         fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if cfg.mp
@@ -134,7 +134,7 @@ def train_rank(cfg: DemoConfig, rank: int) -> dict:
             )
             if rank == 0:
                 print(f"resumed from step {start_step} ({cfg.checkpoint_dir})", flush=True)
-        grad_fn = fs.value_and_grad(functools.partial(_loss, model))
+        grad_fn = fs.value_and_grad(functools.partial(lm_loss, model))
         losses, sent, started = [], 0, time.perf_counter()
         bar = _progress_bar(cfg, start_step) if rank == 0 else None
         for step in range(start_step, cfg.steps):
@@ -210,7 +210,7 @@ def _single_process_losses(cfg: DemoConfig, rank: int) -> list[float]:
     )
     data = torch.frombuffer(bytearray(stdlib_text()), dtype=torch.uint8).long()
     with torch.device("meta"):
-        model = GPT(_model_config(one))
+        model = GPT(model_config(one))
     state = fs.shard(
         model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=1)
     )
@@ -225,7 +225,7 @@ def _single_process_losses(cfg: DemoConfig, rank: int) -> list[float]:
         memory.adopt((params, opt_state))
         for step in range(PARITY_STEPS):
             x, y = batches(data, one, step, one.batch)
-            loss, grads = fs.value_and_grad(functools.partial(_loss, model))(params, x, y)
+            loss, grads = fs.value_and_grad(functools.partial(lm_loss, model))(params, x, y)
             updates, opt_state = opt.update(grads, opt_state, params)
             params = fs.apply_updates(params, updates)
             losses.append(loss.item())

@@ -31,6 +31,7 @@ class LiveTensors(TorchDispatchMode):
         self._users: dict[int, int] = {}  # storage identity -> live tracked tensors using it
         self._bytes: dict[int, int] = {}
         self._watched: set[int] = set()
+        self._seen: set[int] = set()  # ids of the tensor objects tracked (and still alive)
         self._watch = watch
         self.live = 0
         self.peak = 0
@@ -79,6 +80,8 @@ class LiveTensors(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
 
     def _track(self, tensor: torch.Tensor, watched: bool) -> None:
+        if id(tensor) in self._seen:  # an in-place op returns its input: counted already
+            return
         try:
             storage = tensor.untyped_storage()
             ptr = storage._cdata
@@ -91,9 +94,11 @@ class LiveTensors(TorchDispatchMode):
         if watched:
             self._watched.add(ptr)
         self._users[ptr] += 1
-        weakref.finalize(tensor, self._release, ptr)
+        self._seen.add(id(tensor))
+        weakref.finalize(tensor, self._release, ptr, id(tensor))
 
-    def _release(self, ptr: int) -> None:
+    def _release(self, ptr: int, tensor_id: int) -> None:
+        self._seen.discard(tensor_id)
         self._users[ptr] -= 1
         if self._users[ptr] == 0:
             del self._users[ptr]
