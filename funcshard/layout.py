@@ -34,6 +34,7 @@ class FlatLayout:
     shard_size: int
     keep_fp32: bool = False
     frozen: bool = False
+    frozen_fqns: tuple[str, ...] = ()  # frozen members of a trainable buffer (frozen="warn")
 
     @property
     def numels(self) -> tuple[int, ...]:
@@ -100,6 +101,18 @@ class Layout:
         return tuple(i for i, flat in enumerate(self.flats) if flat.unit in units)
 
 
+def frozen_ranges(flat: FlatLayout, start: int = 0, end: int | None = None) -> list[slice]:
+    """Where the frozen members of a trainable buffer lie within [start, end) of it, as
+    slices relative to `start` (a rank's shard: start = shard rank * shard_numel)."""
+    end = flat.padded_numel if end is None else end
+    ranges = []
+    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
+        lo, hi = max(start, offset), min(end, offset + numel)
+        if fqn in flat.frozen_fqns and lo < hi:
+            ranges.append(slice(lo - start, hi - start))
+    return ranges
+
+
 def param_views(buffer: torch.Tensor, flat: FlatLayout) -> tuple[torch.Tensor, ...]:
     """The parameters a full (padded_numel,) buffer of `flat` holds, as views, in flat order."""
     pieces = buffer.split(_split_sizes(flat))  # the padding piece, if any, is left out by zip
@@ -131,6 +144,7 @@ def layout_of(plan: Plan, mesh: Mesh) -> Layout:
                     shard_size=mesh.shard_size,
                     keep_fp32=unit.keep_fp32,
                     frozen=unit.frozen,
+                    frozen_fqns=tuple(f for f, _ in members if f in unit.frozen_fqns),
                 )
             )
     return Layout(flats=tuple(flats), replicated=plan.ignored, mesh=mesh)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives, finite
+from funcshard.layout import frozen_ranges
 from funcshard.state import ShardedGrads, ShardedState, ensure_live
 from funcshard.state import donate as donate_record
 from funcshard.tree import register_record
@@ -116,6 +117,17 @@ def _grad_leaves(grads: Any) -> list[Tensor | None]:
     )
 
 
+def _zeros_like(params: Any) -> tuple[Tensor | None, ...]:
+    """A zero buffer per parameter leaf, None for a frozen unit's (it never gets a gradient)."""
+    leaves = _param_leaves(params)
+    frozen = (
+        [f.frozen for f in params.layout.flats]
+        if isinstance(params, ShardedState)
+        else [False] * len(leaves)
+    )
+    return tuple(None if f else torch.zeros_like(p) for p, f in zip(leaves, frozen, strict=True))
+
+
 def _like(grads: Any, leaves: list[Tensor | None], donated: bool = False) -> Any:
     """Put leaves back into the container type of `grads` (marking `grads` as used up when
     its buffers were `donated` to hold the new leaves)."""
@@ -149,13 +161,17 @@ def sgd(
     _check_rates("sgd", lr, momentum=momentum, weight_decay=weight_decay, dampening=dampening)
 
     def init(params: Any) -> SgdState:
-        return SgdState(step=torch.zeros(()), momentum=tuple(None for _ in _param_leaves(params)))
+        # zeros, not None, so a checkpoint of a later state loads into a fresh one; the first
+        # step still starts each buffer as a copy of the gradient, as torch does
+        buffers = _zeros_like(params) if momentum else tuple(None for _ in _param_leaves(params))
+        return SgdState(step=torch.zeros(()), momentum=buffers)
 
     def update(
         grads: Any, state: SgdState, params: Any, donate: bool = False
     ) -> tuple[Any, SgdState]:
         step = state.step + 1
         rate = _lr_at(lr, int(step))
+        first = int(step) == 1
         updates = [None] * len(state.momentum)
         momenta = list(state.momentum)
         for i, p, g in _live(grads, params):
@@ -164,7 +180,7 @@ def sgd(
                 g = g.add_(p, alpha=weight_decay) if donate else g.add(p, alpha=weight_decay)
             if momentum:
                 buf = momenta[i]
-                if buf is None:
+                if buf is None or first:
                     buf = g.clone()
                 elif donate:
                     buf.mul_(momentum).add_(g, alpha=1 - dampening)
@@ -211,11 +227,8 @@ def _adam_family(
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def init(params: Any) -> AdamState:
-        leaves = _param_leaves(params)
         return AdamState(
-            step=torch.zeros(()),
-            exp_avg=tuple(torch.zeros_like(p) for p in leaves),
-            exp_avg_sq=tuple(torch.zeros_like(p) for p in leaves),
+            step=torch.zeros(()), exp_avg=_zeros_like(params), exp_avg_sq=_zeros_like(params)
         )
 
     def update(
@@ -360,6 +373,8 @@ def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:
             f"funcshard.apply_updates: {len(delta)} updates for {len(old)} parameter leaves; "
             f"pass the updates computed for these params."
         )
+    if isinstance(params, ShardedState):
+        delta = _without_frozen_members(params, delta)
     new = [
         p if u is None else (p.add_(u) if donate else p + u)
         for p, u in zip(old, delta, strict=True)
@@ -369,6 +384,23 @@ def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:
             donate_record(params, "apply_updates(donate=True)")
         return params.replace(shards=tuple(new))
     return dict(zip(params.keys(), new, strict=True))
+
+
+def _without_frozen_members(state: ShardedState, delta: list[Tensor | None]) -> list:
+    """Zero the updates of frozen parameters that share a trainable unit (frozen="warn"):
+    their gradients are zero, but weight decay would still move them."""
+    rank = state.layout.mesh.shard_rank
+    out = list(delta)
+    for i, (flat, u) in enumerate(zip(state.layout.flats, delta, strict=True)):
+        if u is None or not flat.frozen_fqns:
+            continue
+        start = rank * flat.shard_numel
+        ranges = frozen_ranges(flat, start, start + flat.shard_numel)
+        if ranges:
+            out[i] = u.clone()  # the caller's updates are not written
+            for r in ranges:
+                out[i][r] = 0
+    return out
 
 
 def _live(grads: Any, params: Any) -> list[tuple[int, Tensor, Tensor]]:

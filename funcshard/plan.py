@@ -42,6 +42,7 @@ class Unit:
     frozen: bool  # no parameter requires grad: never reduced
     shapes: tuple[tuple[int, ...], ...]  # one per FQN
     param_dtypes: tuple[torch.dtype, ...]  # one per FQN
+    frozen_fqns: tuple[str, ...] = ()  # in a trainable unit (frozen="warn"): never updated
 
     def bytes_per_rank(self, world_size: int) -> int:
         """Bytes each rank holds when the unit is sharded evenly (padded) over `world_size`."""
@@ -72,7 +73,15 @@ class Plan:
         """A stable hash of units, FQNs, shapes, dtypes and flags: equal plans, equal strings."""
         text = repr(
             [
-                (u.name, u.fqns, u.shapes, [str(d) for d in u.param_dtypes], u.keep_fp32, u.frozen)
+                (
+                    u.name,
+                    u.fqns,
+                    u.shapes,
+                    [str(d) for d in u.param_dtypes],
+                    u.keep_fp32,
+                    u.frozen,
+                    u.frozen_fqns,
+                )
                 for u in self.units
             ]
             + [self.ignored]
@@ -230,6 +239,9 @@ def _unit(
         frozen=bool(tensors) and not any(p.requires_grad for p in tensors),
         shapes=tuple(tuple(p.shape) for p in tensors),
         param_dtypes=param_dtypes,
+        frozen_fqns=tuple(f for f, p in zip(fqns, tensors, strict=True) if not p.requires_grad)
+        if any(p.requires_grad for p in tensors)
+        else (),
     )
 
 
@@ -254,7 +266,8 @@ def _check_frozen(name: str, fqns: tuple[str, ...], tensors: list[nn.Parameter],
         )
     warnings.warn(
         message + f"Its gradients are reduced over all {sum(p.numel() for p in tensors):,} "
-        f"elements instead of the {sum(n for _, n in trainable):,} trainable ones.",
+        f"elements instead of the {sum(n for _, n in trainable):,} trainable ones (the frozen "
+        f"ones get zero gradients and no updates).",
         UserWarning,
         stacklevel=4,
     )

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from funcshard import collectives
-from funcshard.layout import Layout, param_views
+from funcshard.layout import Layout, frozen_ranges, param_views
 from funcshard.module import call as call_on_dict
 from funcshard.precision import gather_dtype, reduce_dtype
 from funcshard.state import ShardedState, ensure_live
@@ -147,9 +147,10 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         )
     root = units.index("") if "" in units else None
     modules = tuple(_module_or_none(model, u) for u in units)
-    not_modules = {k for k, m in enumerate(modules) if m is None}  # buckets: no forward of
-    # their own, so they stay gathered for the whole call (free on a size-1 shard axis)
-    whole = frozenset(crossing | not_modules | ({root} if root is not None else set()))
+    # Buckets, and containers such as ModuleList, have no forward that runs (so no hook
+    # fires): they stay gathered for the whole call (free on a size-1 shard axis).
+    not_called = {k for k, m in enumerate(modules) if m is None or not _has_forward(m)}
+    whole = frozenset(crossing | not_called | ({root} if root is not None else set()))
     return Binding(
         layout=layout,
         unit_names=units,
@@ -161,6 +162,11 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         replicated_slots=tuple(replicated),
         buffer_slots=buffer_slots,
     )
+
+
+def _has_forward(module: nn.Module) -> bool:
+    """False for containers (ModuleList, ModuleDict) whose forward is never called."""
+    return type(module).forward is not nn.Module.forward
 
 
 def _module_or_none(model: nn.Module, name: str) -> nn.Module | None:
@@ -230,6 +236,8 @@ class GradRecorder:
             if grad is None or flat.frozen:
                 continue
             grad = grad.to(reduce_dtype(self.state.mp, flat))
+            for frozen in frozen_ranges(flat) if flat.frozen_fqns else ():
+                grad[frozen] = 0  # frozen members of a trainable unit (plan(frozen="warn"))
             if not self.reduce:
                 self.local[i] = grad if self.local[i] is None else self.local[i] + grad
             elif layout.mesh.shard_size == 1:

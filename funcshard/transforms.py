@@ -169,7 +169,8 @@ def reduce(
             scattered.append(None)
             continue
         dtype = reduce_dtype(state.mp, flat)
-        padded = _padded_flat([full_grads.get(f) for f in flat.fqns], flat, dtype, mesh.device)
+        grads = [None if f in flat.frozen_fqns else full_grads.get(f) for f in flat.fqns]
+        padded = _padded_flat(grads, flat, dtype, mesh.device)
         scattered.append(collectives.reduce_scatter(padded, mesh.shard_group, op, what=flat.unit))
     replicated_reduce = [
         None
