@@ -22,10 +22,14 @@ from funcshard.precision import MixedPrecision as MixedPrecision
 from funcshard.replicate import replicate as replicate
 from funcshard.sharded_call import Prefetch as Prefetch
 from funcshard.sharded_call import call as call
+from funcshard.split import Bucket as Bucket
+from funcshard.split import SplitGraph as SplitGraph
+from funcshard.split import split as split
 from funcshard.state import DonatedError as DonatedError
 from funcshard.state import LocalGrads as LocalGrads
 from funcshard.state import ShardedGrads as ShardedGrads
 from funcshard.state import ShardedState as ShardedState
+from funcshard.trace import trace as trace
 from funcshard.transforms import from_state_dict as from_state_dict
 from funcshard.transforms import full_state_dict as full_state_dict
 from funcshard.transforms import reduce as reduce
@@ -35,6 +39,7 @@ from funcshard.transforms import unshard as unshard
 from funcshard.transforms import unshard_async as unshard_async
 
 __all__ = [
+    "Bucket",
     "CollectiveError",
     "DonatedError",
     "FlatLayout",
@@ -47,6 +52,7 @@ __all__ = [
     "Prefetch",
     "ShardedGrads",
     "ShardedState",
+    "SplitGraph",
     "Unit",
     "accumulate",
     "apply_updates",
@@ -64,7 +70,9 @@ __all__ = [
     "reshard",
     "shard",
     "shutdown",
+    "split",
     "testing",
+    "trace",
     "unshard",
     "unshard_async",
     "value_and_grad",
