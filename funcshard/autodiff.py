@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcshard import collectives, finite
+from funcshard import collectives, finite, recompute
 from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
 from funcshard.sharded_call import GradRecorder, Prefetch, recording
@@ -94,10 +94,11 @@ def _split(out: Any, has_aux: bool, where: str) -> tuple[Tensor, Any]:
 def _sharded_value_and_grad(f, has_aux, recorder, args, kwargs):
     state = recorder.state
     try:
-        with recording(recorder):
+        with recording(recorder), recompute.recording() as ran:
             loss, aux = _split(f(state, *args, **kwargs), has_aux, "value_and_grad")
         if recorder.leaves and loss.requires_grad:
-            torch.autograd.backward(loss, inputs=recorder.leaves)
+            with recompute.refused(ran):
+                torch.autograd.backward(loss, inputs=recorder.leaves)
         for run in recorder.runs:
             run.flush()
     finally:
@@ -157,13 +158,15 @@ def _finish(recorder: GradRecorder) -> ShardedGrads | LocalGrads:
 
 def _dict_value_and_grad(f, has_aux, params, args, kwargs):
     inputs = {k: v.detach().requires_grad_(v.requires_grad) for k, v in params.items()}
-    loss, aux = _split(f(inputs, *args, **kwargs), has_aux, "value_and_grad")
+    with recompute.recording() as ran:
+        loss, aux = _split(f(inputs, *args, **kwargs), has_aux, "value_and_grad")
     trainable = [k for k, v in inputs.items() if v.requires_grad]
-    found = (
-        torch.autograd.grad(loss, [inputs[k] for k in trainable], allow_unused=True)
-        if trainable and loss.requires_grad
-        else [None] * len(trainable)
-    )
+    with recompute.refused(ran):
+        found = (
+            torch.autograd.grad(loss, [inputs[k] for k in trainable], allow_unused=True)
+            if trainable and loss.requires_grad
+            else [None] * len(trainable)
+        )
     grads: dict[str, Tensor | None] = dict.fromkeys(params)
     for k, g in zip(trainable, found, strict=True):
         grads[k] = torch.zeros_like(inputs[k]) if g is None else g

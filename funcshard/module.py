@@ -21,6 +21,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from funcshard import recompute
 from funcshard.tree import format_names, join_fqn
 
 Params = dict[str, Tensor]
@@ -67,7 +68,10 @@ def call(
         _check_keys(model, buffers, buffer_slots, "buffers")
     new_buffers = {name: b.clone() for name, b in buffers.items()}
     tensors = {**param_slots.feed(params), **buffer_slots.feed(new_buffers)}
-    out, new_buffers = _functional_call(model, tensors, buffer_slots.firsts, method, args, kwargs)
+    with recompute.calling(frozenset(id(m) for m in model.modules())):
+        out, new_buffers = _functional_call(
+            model, tensors, buffer_slots.firsts, method, args, kwargs
+        )
     return (out, new_buffers) if mutable else out
 
 

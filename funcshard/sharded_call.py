@@ -45,7 +45,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from funcshard import collectives
+from funcshard import collectives, recompute
 from funcshard.layout import Layout, frozen_ranges, param_views
 from funcshard.module import call as call_on_dict
 from funcshard.precision import gather_dtype, reduce_dtype
@@ -77,6 +77,7 @@ class Binding:
     whole_call: frozenset[int]  # units gathered for the whole call
     replicated_slots: tuple[tuple[Slot, str], ...]
     buffer_slots: tuple[tuple[Slot, str], ...]
+    module_ids: frozenset[int]  # every module of the model (see funcshard/recompute.py)
 
 
 _BINDINGS: weakref.WeakKeyDictionary[nn.Module, dict[int, Binding]] = weakref.WeakKeyDictionary()
@@ -161,6 +162,7 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         whole_call=whole,
         replicated_slots=tuple(replicated),
         buffer_slots=buffer_slots,
+        module_ids=frozenset(id(m) for m in model.modules()),
     )
 
 
@@ -634,7 +636,10 @@ def call(
                 run.enter(unit)
             else:
                 run._swap_out(unit)
-        with torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack),
+            recompute.calling(binding.module_ids),
+        ):
             target = model if method == "forward" else getattr(model, method)
             out = target(*args, **kwargs)
         new_buffers = {fqn: _get_slot(slot) for slot, fqn in binding.buffer_slots}

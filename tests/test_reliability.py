@@ -275,3 +275,41 @@ def test_a_rank_killed_mid_step_makes_the_survivor_raise_naming_the_collective()
     assert str(survivor).startswith("rank 0: all_gather of unit 'blocks.")
     assert "over ranks [0, 1] did not complete" in str(survivor)
     assert time.perf_counter() - started < 20
+
+
+# -- activation checkpointing inside funcshard.call ------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    """Recomputes each layer in backward (torch.utils.checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).tanh()
+        return x.square().mean()
+
+
+def _checkpointed_grads(sharded: bool, rank: int) -> str:
+    torch.manual_seed(0)
+    model = Checkpointed()
+    # trainable params that differ from the module's own weights
+    params = {k: (v * 1.5).detach().requires_grad_() for k, v in fs.extract(model)[0].items()}
+    if sharded:
+        policy = fs.policy.module_classes({nn.Linear})
+        params = fs.shard(model, fs.plan(model, policy=policy), fs.Mesh(shard=2), seed=None)
+        params = fs.reshard(params, {k: v * 1.5 for k, v in fs.unshard(params).items()})
+    try:
+        fs.value_and_grad(lambda p: fs.call(model, p, torch.randn(4, 8)))(params)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_module_recomputed_after_call_returned_is_refused_not_silently_wrong(sharded):
+    for message in testing.run(functools.partial(_checkpointed_grads, sharded)):
+        assert message.startswith("funcshard.value_and_grad: a Linear ran again during backward")
