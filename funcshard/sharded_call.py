@@ -360,7 +360,8 @@ class _Run:
         self.hook_handles: list[Any] = []
         self.backward_full: dict[int, tuple[Tensor, ...]] = {}
         self.finished: set[int] = set()  # units whose gradients are reported
-        self.reshard = state.reshard_after_forward is not False
+        # nothing to free on a size-1 shard axis: the "gathered" buffers are the shards
+        self.reshard = state.reshard_after_forward is not False and state.layout.mesh.shard > 1
         k = state.reshard_after_forward
         self.post_forward_k = k if not isinstance(k, bool) and k < layout.mesh.shard_size else None
         self.post_forward: dict[int, tuple[Tensor, ...]] = {}  # unit -> this rank's 1/k slices
@@ -636,10 +637,12 @@ def call(
                 run.enter(unit)
             else:
                 run._swap_out(unit)
-        with (
-            torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack),
-            recompute.calling(binding.module_ids),
-        ):
+        saved = (
+            torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack)
+            if run.reshard
+            else contextlib.nullcontext()
+        )
+        with saved, recompute.calling(binding.module_ids):
             target = model if method == "forward" else getattr(model, method)
             out = target(*args, **kwargs)
         new_buffers = {fqn: _get_slot(slot) for slot, fqn in binding.buffer_slots}
