@@ -111,8 +111,7 @@ def funcshard_step(
 
     def step() -> None:
         _, grads = grad_fn(box["state"])
-        updates, box["opt"] = opt.update(grads, box["opt"], box["state"], donate=True)
-        box["state"] = fs.apply_updates(box["state"], updates, donate=True)
+        box["state"], box["opt"] = opt.step(grads, box["opt"], box["state"])  # all donated
 
     return step
 

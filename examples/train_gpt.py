@@ -72,8 +72,8 @@ def main() -> None:
         windows = torch.stack([data[s : s + cfg.block_size + 1] for s in starts.tolist()])
         x, y = windows[:, :-1].chunk(world)[rank], windows[:, 1:].chunk(world)[rank]  # ...split
         loss, grads = grad_fn(state, x.to(mesh.device), y.to(mesh.device))
-        updates, opt_state = opt.update(grads, opt_state, state, donate=True)
-        state = fs.apply_updates(state, updates, donate=True)
+        # update and apply in one, reusing the old state's and grads' memory (donated)
+        state, opt_state = opt.step(grads, opt_state, state)
         if rank == 0 and step % 50 == 0:
             print(f"step {step} loss {loss.item():.3f}", flush=True)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:

@@ -142,8 +142,7 @@ def train_rank(cfg: DemoConfig, rank: int) -> dict:
             x, y = x.chunk(cfg.nproc)[rank], y.chunk(cfg.nproc)[rank]
             with collectives.record() as log:
                 loss, grads = grad_fn(state, x, y)
-                updates, opt_state = opt.update(grads, opt_state, state, donate=True)
-            state = fs.apply_updates(state, updates, donate=True)
+                state, opt_state = opt.step(grads, opt_state, state)  # update and apply
             sent = collectives.bytes_sent(log)
             losses.append(_mean_over_ranks(loss, mesh))
             if bar is not None:

@@ -43,10 +43,26 @@ _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 @dataclass(frozen=True)
 class Optimizer:
-    """A gradient transformation: `init(params) -> state`, `update(grads, state, params)`."""
+    """A gradient transformation: `init(params) -> state`, `update(grads, state, params)`.
+
+    `step(grads, state, params) -> (new_params, new_state)` is update and `apply_updates` in
+    one, donating all three inputs: the same numbers, without materializing the updates
+    (Adam and AdamW run torch's fused kernel on the parameters themselves, as torch.optim
+    does: three fewer passes over memory per step).
+    """
 
     init: Callable[[Any], Any]
     update: Callable[..., tuple[Any, Any]]  # (grads, state, params, donate=False)
+    fused_step: Callable[..., tuple[Any, Any] | None] | None = None  # None: not applicable
+
+    def step(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        """Update and apply, donating `grads`, `state` and `params` (see the class)."""
+        if self.fused_step is not None:
+            done = self.fused_step(grads, state, params)
+            if done is not None:
+                return done
+        updates, new_state = self.update(grads, state, params, donate=True)
+        return apply_updates(params, updates, donate=True), new_state
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,6 +131,24 @@ def _grad_leaves(grads: Any) -> list[Tensor | None]:
         f"funcshard.optim: grads must be ShardedGrads or a dict of tensors, got "
         f"{type(grads).__name__} (reduce LocalGrads with funcshard.reduce first)."
     )
+
+
+def _steps_in_place(params: Any, leaves: list[Tensor]) -> bool:
+    """Whether a fused step may write these parameter leaves directly: fused dtypes, and no
+    frozen members inside a trainable unit (they must not move)."""
+    if isinstance(params, ShardedState) and any(f.frozen_fqns for f in params.layout.flats):
+        return False
+    return all(p.dtype in _FUSED_DTYPES and not p.requires_grad for p in leaves)
+
+
+def _donated_params(params: Any, grads: Any, to: str) -> Any:
+    """The params after an in-place step: a new record over the same (written) tensors."""
+    if isinstance(grads, ShardedGrads):
+        donate_record(grads, to)
+    if isinstance(params, ShardedState):
+        donate_record(params, to)
+        return params.replace()
+    return dict(params)
 
 
 def _zeros_like(params: Any) -> tuple[Tensor | None, ...]:
@@ -231,6 +265,24 @@ def _adam_family(
             step=torch.zeros(()), exp_avg=_zeros_like(params), exp_avg_sq=_zeros_like(params)
         )
 
+    def fused_step_of(target: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor) -> None:
+        """torch's fused Adam(W) kernel: writes `target`, `m` and `v` in place."""
+        fused(
+            [target],
+            [g],
+            [m],
+            [v],
+            [],
+            [step.to(torch.float32).clone()],
+            lr=_lr_at(lr, int(step)),
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+        )
+
     def update(
         grads: Any, state: AdamState, params: Any, donate: bool = False
     ) -> tuple[Any, AdamState]:
@@ -246,21 +298,7 @@ def _adam_family(
             v = v_all[i] if donate else v_all[i].clone()
             if p.dtype in _FUSED_DTYPES:  # torch's fused kernel, on a copy of the parameter
                 new = p.detach().clone()
-                fused(
-                    [new],
-                    [g],
-                    [m],
-                    [v],
-                    [],
-                    [step.to(torch.float32).clone()],
-                    lr=rate,
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=weight_decay,
-                    eps=eps,
-                    amsgrad=False,
-                    maximize=False,
-                )
+                fused_step_of(new, g, m, v, step)
                 updates[i], m_all[i], v_all[i] = new.sub_(p), m, v
                 continue
             # otherwise torch.optim.adam's single-tensor kernel, writing the update instead;
@@ -284,7 +322,17 @@ def _adam_family(
         new_state = AdamState(step=step, exp_avg=tuple(m_all), exp_avg_sq=tuple(v_all))
         return _like(grads, updates, donate), new_state
 
-    return Optimizer(init, update)
+    def fused_step(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState] | None:
+        live = _live(grads, params)
+        if not _steps_in_place(params, [p for _, p, _ in live]):
+            return None
+        step = state.step + 1
+        for i, p, g in live:
+            fused_step_of(p, g, state.exp_avg[i], state.exp_avg_sq[i], step)
+        new_state = AdamState(step=step, exp_avg=state.exp_avg, exp_avg_sq=state.exp_avg_sq)
+        return _donated_params(params, grads, "Optimizer.step"), new_state
+
+    return Optimizer(init, update, fused_step)
 
 
 def clip_by_global_norm(max_norm: float) -> Optimizer:
@@ -333,7 +381,20 @@ def chain(*optimizers: Optimizer) -> Optimizer:
             new_states.append(inner)
         return grads, ChainState(states=tuple(new_states))
 
-    return Optimizer(init, update)
+    def fused_step(grads: Any, state: ChainState, params: Any) -> tuple[Any, ChainState]:
+        *first, last = state.states
+        transformed, new_states = update_chain(grads, first, params)
+        params, last = optimizers[-1].step(transformed, last, params)
+        return params, ChainState(states=(*new_states, last))
+
+    def update_chain(grads: Any, states: list, params: Any) -> tuple[Any, list]:
+        new_states = []
+        for optimizer, inner in zip(optimizers, states, strict=False):
+            grads, inner = optimizer.update(grads, inner, params, donate=True)
+            new_states.append(inner)
+        return grads, new_states
+
+    return Optimizer(init, update, fused_step if optimizers else None)
 
 
 def skip_nonfinite(optimizer: Optimizer) -> Optimizer:
@@ -357,7 +418,13 @@ def skip_nonfinite(optimizer: Optimizer) -> Optimizer:
         updates, inner = optimizer.update(grads, state.inner, params, donate=donate)
         return updates, SkipState(inner=inner, skipped=state.skipped)
 
-    return Optimizer(init, update)
+    def fused_step(grads: Any, state: SkipState, params: Any) -> tuple[Any, SkipState]:
+        if finite.any_nonfinite(grads):
+            return params, SkipState(inner=state.inner, skipped=state.skipped + 1)
+        params, inner = optimizer.step(grads, state.inner, params)
+        return params, SkipState(inner=inner, skipped=state.skipped)
+
+    return Optimizer(init, update, fused_step)
 
 
 def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:

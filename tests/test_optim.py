@@ -1,9 +1,14 @@
 """fs.optim against torch.optim on the same tensors, and its laws (pure, padding, frozen)."""
 
+import functools
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcshard as fs
+from funcshard.testing.models import GPT, Block, GPTConfig
 
 STEPS = 5
 
@@ -140,3 +145,103 @@ def test_adam_on_dtypes_without_a_fused_kernel_matches_torch_optim(decoupled):
     torch.testing.assert_close(
         _fs_run(ours, params, grads)["z"], expected["z"], rtol=1e-6, atol=1e-7
     )
+
+
+def _fs_steps(opt, params, grads):
+    """The same run through `Optimizer.step` (update and apply in one, everything donated)."""
+    params = {k: v.clone() for k, v in params.items()}
+    state = opt.init(params)
+    for step_grads in grads:
+        params, state = opt.step({k: g.clone() for k, g in step_grads.items()}, state, params)
+    return params
+
+
+@pytest.mark.parametrize(("ours", "theirs"), CASES)
+def test_step_matches_torch_optim_like_update_then_apply(ours, theirs):
+    params, grads = _problem(seed=3)
+    expected = _torch_run(theirs, params, grads)
+    for k, v in _fs_steps(ours, params, grads).items():
+        torch.testing.assert_close(v, expected[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        (
+            fs.optim.adam(1e-2, weight_decay=0.1),
+            lambda p: torch.optim.Adam(p, 1e-2, fused=True, weight_decay=0.1),
+        ),
+        (
+            fs.optim.adamw(3e-3, eps=1e-3),
+            lambda p: torch.optim.AdamW(p, 3e-3, eps=1e-3, fused=True),
+        ),
+    ],
+)
+def test_adam_step_is_torch_fused_adam_bitwise(ours, theirs):
+    params, grads = _problem(seed=4)
+    expected = _torch_run(theirs, params, grads)
+    for k, v in _fs_steps(ours, params, grads).items():
+        assert torch.equal(v, expected[k]), k
+
+
+def test_a_chained_step_equals_chained_update_then_apply():
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(0.5), fs.optim.adamw(1e-2, eps=1e-3))
+    params, grads = _problem(seed=5)
+    for k, v in _fs_steps(opt, params, grads).items():
+        torch.testing.assert_close(v, _fs_run(opt, params, grads)[k], rtol=1e-6, atol=1e-7)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if args and isinstance(args[0], torch.Tensor) and args[0].numel() > 1:
+            self.names.append(str(func))  # ops on parameter-sized tensors, not step counters
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_adamw_step_writes_the_parameters_in_place_without_materializing_updates():
+    params, grads = _problem(seed=6)
+    opt = fs.optim.adamw(1e-2)
+    state = opt.init(params)
+    before = {k: v.data_ptr() for k, v in params.items()}
+    with _Ops() as ops:
+        new, _ = opt.step(grads[0], state, params)
+    assert {k: v.data_ptr() for k, v in new.items()} == before
+    assert not [n for n in ops.names if n.startswith(("aten.sub", "aten.add"))], ops.names
+
+
+def _sharded_steps(fused: bool, rank: int) -> list:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2))
+    state = fs.shard(
+        model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
+    )
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.adamw(1e-2, eps=1e-3))
+    opt_state = opt.init(state)
+
+    def loss_fn(s, x):
+        return F.cross_entropy(fs.call(model, s, x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+
+    for step in range(3):
+        x = torch.randint(61, (2, 17), generator=torch.Generator().manual_seed(10 * step + rank))
+        _, grads = fs.value_and_grad(loss_fn)(state, x)
+        if fused:
+            old = state
+            state, opt_state = opt.step(grads, opt_state, state)
+            with pytest.raises(fs.DonatedError):
+                fs.unshard(old)
+        else:
+            updates, opt_state = opt.update(grads, opt_state, state)
+            state = fs.apply_updates(state, updates)
+    return list(state.shards)
+
+
+def test_a_sharded_step_equals_update_then_apply_on_two_ranks():
+    fused = fs.testing.run(functools.partial(_sharded_steps, True))
+    plain = fs.testing.run(functools.partial(_sharded_steps, False))
+    for a, b in zip(fused, plain, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
