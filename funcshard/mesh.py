@@ -101,9 +101,9 @@ class Mesh:
             use_cuda = device_type != "cpu" and torch.cuda.is_available()
             if use_cuda and dist.is_nccl_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-                dist.init_process_group("nccl", timeout=timeout)
+                _init_from_env("nccl", timeout)
             else:
-                dist.init_process_group("gloo", timeout=timeout)
+                _init_from_env("gloo", timeout)
         return cls(shard=dist.get_world_size(), device_type=device_type, timeout=timeout)
 
     @classmethod
@@ -228,6 +228,21 @@ class Mesh:
         if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type or "cpu")
+
+
+def _init_from_env(backend: str, timeout: timedelta | None) -> None:
+    """init_process_group from torchrun's environment, its keys under this restart's prefix.
+
+    After an elastic restart the agent's store may still hold the previous round's addresses
+    under the same keys; a new rank that reads one before its peer rewrites it connects to a
+    dead rank (gloo: "connection refused", or a hang on a reused port). A prefix per
+    TORCHELASTIC_RESTART_COUNT keeps each round's rendezvous apart.
+    """
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    store, rank, world = next(dist.rendezvous("env://", **kwargs))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"funcshard/attempt-{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
 
 
 def _debug_from_env() -> bool:
