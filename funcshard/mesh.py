@@ -91,7 +91,11 @@ class Mesh:
         Picks cuda + NCCL (one GPU per local rank) when the process sees a GPU, else cpu + gloo.
         """
         if not dist.is_initialized():
-            missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR") if v not in os.environ]
+            missing = [
+                v
+                for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                if v not in os.environ
+            ]
             if missing:
                 raise RuntimeError(
                     f"Mesh.from_env: {', '.join(missing)} not set. Launch with "
