@@ -23,6 +23,7 @@ stays zero: zero gradients and zero parameters give zero moments and zero update
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -138,7 +139,7 @@ def _steps_in_place(params: Any, leaves: list[Tensor]) -> bool:
     frozen members inside a trainable unit (they must not move)."""
     if isinstance(params, ShardedState) and any(f.frozen_fqns for f in params.layout.flats):
         return False
-    return all(p.dtype in _FUSED_DTYPES and not p.requires_grad for p in leaves)
+    return all(p.dtype in _FUSED_DTYPES for p in leaves)
 
 
 def _donated_params(params: Any, grads: Any, to: str) -> Any:
@@ -195,9 +196,11 @@ def sgd(
     _check_rates("sgd", lr, momentum=momentum, weight_decay=weight_decay, dampening=dampening)
 
     def init(params: Any) -> SgdState:
-        # zeros, not None, so a checkpoint of a later state loads into a fresh one; the first
-        # step still starts each buffer as a copy of the gradient, as torch does
-        buffers = _zeros_like(params) if momentum else tuple(None for _ in _param_leaves(params))
+        # zeros, so a checkpoint of a later state loads into a fresh one: without dampening
+        # 0 * momentum + grad is the grad exactly, torch's first step; with dampening a buffer
+        # must start as a copy of the first gradient it sees, so it starts as None
+        started = momentum and not dampening
+        buffers = _zeros_like(params) if started else tuple(None for _ in _param_leaves(params))
         return SgdState(step=torch.zeros(()), momentum=buffers)
 
     def update(
@@ -205,7 +208,6 @@ def sgd(
     ) -> tuple[Any, SgdState]:
         step = state.step + 1
         rate = _lr_at(lr, int(step))
-        first = int(step) == 1
         updates = [None] * len(state.momentum)
         momenta = list(state.momentum)
         for i, p, g in _live(grads, params):
@@ -214,7 +216,7 @@ def sgd(
                 g = g.add_(p, alpha=weight_decay) if donate else g.add(p, alpha=weight_decay)
             if momentum:
                 buf = momenta[i]
-                if buf is None or first:
+                if buf is None:
                     buf = g.clone()
                 elif donate:
                     buf.mul_(momentum).add_(g, alpha=1 - dampening)
@@ -327,8 +329,9 @@ def _adam_family(
         if not _steps_in_place(params, [p for _, p, _ in live]):
             return None
         step = state.step + 1
-        for i, p, g in live:
-            fused_step_of(p, g, state.exp_avg[i], state.exp_avg_sq[i], step)
+        with torch.no_grad():  # parameters that require grad are written in place too
+            for i, p, g in live:
+                fused_step_of(p, g, state.exp_avg[i], state.exp_avg_sq[i], step)
         new_state = AdamState(step=step, exp_avg=state.exp_avg, exp_avg_sq=state.exp_avg_sq)
         return _donated_params(params, grads, "Optimizer.step"), new_state
 
@@ -442,10 +445,11 @@ def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:
         )
     if isinstance(params, ShardedState):
         delta = _without_frozen_members(params, delta)
-    new = [
-        p if u is None else (p.add_(u) if donate else p + u)
-        for p, u in zip(old, delta, strict=True)
-    ]
+    with torch.no_grad() if donate else contextlib.nullcontext():  # in place, as torch.optim
+        new = [
+            p if u is None else (p.add_(u) if donate else p + u)
+            for p, u in zip(old, delta, strict=True)
+        ]
     if isinstance(params, ShardedState):
         if donate:
             donate_record(params, "apply_updates(donate=True)")

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from collections.abc import Iterator
 
+import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
@@ -41,6 +44,27 @@ def calling(module_ids: frozenset[int]) -> Iterator[None]:
         yield
     finally:
         _INSIDE.reset(token)
+
+
+def refuse_reentrant_checkpoint(where: str) -> None:
+    """Raise if a reentrant torch.utils.checkpoint is running this call without grad.
+
+    `checkpoint(..., use_reentrant=True)` runs its function under no_grad and recomputes it in
+    a backward of its own, where no gradients of a sharded state are recorded: the state's
+    gradients through it would silently be zero. Only looked up on that rare path (a call
+    under a recorder with grad disabled), so the stack walk costs nothing otherwise.
+    """
+    target = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is target:
+            raise RuntimeError(
+                f"funcshard.{where}: torch.utils.checkpoint(..., use_reentrant=True) around a "
+                f"call on a sharded state would give its parameters no gradients (the "
+                f"reentrant variant recomputes in a backward of its own). Pass "
+                f"use_reentrant=False."
+            )
+        frame = frame.f_back
 
 
 @contextlib.contextmanager

@@ -621,6 +621,8 @@ def call(
     ensure_live(state, "call")
     binding = bind(model, state.layout)
     run = _Run(binding, state, _RECORDER.get())
+    if run.recorder is not None and not torch.is_grad_enabled():
+        recompute.refuse_reentrant_checkpoint("call")
     new_buffers = {
         k: v.clone() for k, v in (buffers if buffers is not None else state.buffers).items()
     }

@@ -245,3 +245,35 @@ def test_a_sharded_step_equals_update_then_apply_on_two_ranks():
     for a, b in zip(fused, plain, strict=True):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "opt", [fs.optim.adamw(1e-2), fs.optim.sgd(0.1, momentum=0.9)], ids=["adamw", "sgd"]
+)
+def test_step_on_a_dict_of_parameters_that_require_grad_matches_update_then_apply(opt):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    params = dict(model.named_parameters())
+    _, grads = fs.value_and_grad(lambda p: fs.call(model, p, torch.randn(2, 4)).sum())(params)
+    updates, _ = opt.update(grads, opt.init(params), params)
+    expected = fs.apply_updates(params, updates)
+    new, _ = opt.step(grads, opt.init(params), params)
+    for k, v in new.items():
+        torch.testing.assert_close(v, expected[k])
+        assert v.requires_grad and v.is_leaf
+
+
+def test_sgd_with_dampening_starts_a_buffer_at_the_first_gradient_like_torch():
+    params = {"w": torch.zeros(3)}
+    grads = [{"w": None}, {"w": torch.tensor([1.0, 2.0, 3.0])}, {"w": torch.ones(3)}]
+    w = torch.zeros(3, requires_grad=True)
+    theirs = torch.optim.SGD([w], lr=0.1, momentum=0.9, dampening=0.5)
+    for g in grads:
+        w.grad = None if g["w"] is None else g["w"].clone()
+        theirs.step()
+    ours = fs.optim.sgd(0.1, momentum=0.9, dampening=0.5)
+    state = ours.init(params)
+    for g in grads:
+        updates, state = ours.update(g, state, params)
+        params = fs.apply_updates(params, updates)
+    torch.testing.assert_close(params["w"], w.detach())

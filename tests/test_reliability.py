@@ -313,3 +313,28 @@ def _checkpointed_grads(sharded: bool, rank: int) -> str:
 def test_a_module_recomputed_after_call_returned_is_refused_not_silently_wrong(sharded):
     for message in testing.run(functools.partial(_checkpointed_grads, sharded)):
         assert message.startswith("funcshard.value_and_grad: a Linear ran again during backward")
+
+
+def _checkpointed_whole_call(reentrant: bool, rank: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    policy = fs.policy.module_classes({nn.Linear})
+    state = fs.shard(model, fs.plan(model, policy=policy), fs.Mesh(shard=2))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+
+    def checkpointed(s):
+        run = functools.partial(fs.call, model, s)
+        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=reentrant).square().sum()
+
+    try:
+        _, grads = fs.value_and_grad(checkpointed)(state)
+    except RuntimeError as e:
+        return str(e)
+    _, expected = fs.value_and_grad(lambda s: fs.call(model, s, x).square().sum())(state)
+    return all(torch.allclose(a, b) for a, b in zip(grads.shards, expected.shards, strict=True))
+
+
+def test_a_reentrant_checkpoint_around_a_sharded_call_is_refused_the_other_kind_works():
+    for message in testing.run(functools.partial(_checkpointed_whole_call, True)):
+        assert "use_reentrant=True) around a call on a sharded state" in message
+    assert all(testing.run(functools.partial(_checkpointed_whole_call, False)))
