@@ -187,6 +187,11 @@ def check_group(group: ProcessGroup) -> None:
         _checked_groups.add(group.group_name)
 
 
+def forget_checked_groups() -> None:
+    """Drop every group's check (their names may be reused once the groups are destroyed)."""
+    _checked_groups.clear()
+
+
 def _agree(op: str, group: ProcessGroup, tensor: Tensor, what: str) -> None:
     mine = (op, tensor.numel(), str(tensor.dtype), what)
     code = [_OP_CODES[op], tensor.numel(), zlib.crc32(f"{tensor.dtype}|{what}".encode())]

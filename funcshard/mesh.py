@@ -293,4 +293,5 @@ def shutdown(timeout: timedelta = timedelta(seconds=30)) -> None:
     _MESHES.clear()
     _SUBMESHES.clear()
     _REWRAPPED.clear()
+    collectives.forget_checked_groups()
     dist.destroy_process_group()

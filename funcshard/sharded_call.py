@@ -360,8 +360,10 @@ class _Run:
         self.hook_handles: list[Any] = []
         self.backward_full: dict[int, tuple[Tensor, ...]] = {}
         self.finished: set[int] = set()  # units whose gradients are reported
-        # nothing to free on a size-1 shard axis: the "gathered" buffers are the shards
-        self.reshard = state.reshard_after_forward is not False and state.layout.mesh.shard > 1
+        # nothing to free on a size-1 shard axis, where the "gathered" buffers are the shards
+        # themselves (unless mixed precision or offload made them copies)
+        copies = state.layout.mesh.shard > 1 or state.mp is not None or state.offload
+        self.reshard = state.reshard_after_forward is not False and copies
         k = state.reshard_after_forward
         self.post_forward_k = k if not isinstance(k, bool) and k < layout.mesh.shard_size else None
         self.post_forward: dict[int, tuple[Tensor, ...]] = {}  # unit -> this rank's 1/k slices
