@@ -60,12 +60,6 @@ def interleaved_medians(
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def tokens(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
-    return t[:, :-1], t[:, 1:]
-
-
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 

@@ -19,9 +19,9 @@ import torch
 from tabulate import tabulate
 
 import funcshard as fs
-from benchmarks.common import interleaved_medians, lm_loss, tokens
+from benchmarks.common import interleaved_medians, lm_loss
 from funcshard import testing
-from funcshard.testing.models import GPT, Block, GPTConfig
+from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
 
 def _close(a: object, b: object) -> bool:
@@ -36,7 +36,7 @@ def _rank(layers: int, backend: str, rounds: int, rank: int) -> dict:
     state = fs.shard(
         model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
     )
-    x, y = tokens(cfg, 2, seed=rank)
+    x, y = random_tokens(cfg, 2, seed=rank)
     step = fs.value_and_grad(lambda s, x, y: lm_loss(fs.call(model, s, x), y))
     started = time.perf_counter()
     graph = fs.trace(step, state, x, y)

@@ -32,9 +32,8 @@ from benchmarks.common import (
     ms,
     plain_step,
     ratio,
-    tokens,
 )
-from funcshard.testing.models import GPT, GPTConfig
+from funcshard.testing.models import GPT, GPTConfig, random_tokens
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class OverheadSpec:
 def measure(spec: OverheadSpec) -> dict[str, float]:
     """Median seconds per step of each contender; needs a fake default process group."""
     cfg = GPTConfig(vocab_size=256, block_size=spec.seq, n_layer=spec.blocks, n_head=2, d_model=64)
-    x, y = tokens(cfg, batch=spec.batch, seed=0)
+    x, y = random_tokens(cfg, batch=spec.batch, seed=0)
     torch.manual_seed(0)
     model = GPT(cfg)
     steps = {

@@ -40,11 +40,10 @@ from benchmarks.common import (
     ms,
     plain_step,
     ratio,
-    tokens,
 )
 from funcshard import testing
 from funcshard.testing.memory import LiveTensors
-from funcshard.testing.models import GPT, GPTConfig
+from funcshard.testing.models import GPT, GPTConfig, random_tokens
 
 CFG = GPTConfig(vocab_size=8192, block_size=64, n_layer=6, n_head=6, d_model=384)
 QUICK_CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32)
@@ -140,7 +139,7 @@ def _rank(spec: TrainingSpec, rank: int) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     torch.manual_seed(0)
     model = GPT(spec.cfg)
-    x, y = (t.to(device) for t in tokens(spec.cfg, spec.batch, seed=rank))
+    x, y = (t.to(device) for t in random_tokens(spec.cfg, spec.batch, seed=rank))
     every = _builders(spec.cfg, world, device, x, y, model)
     builders = {name: every[name] for name in spec.frameworks}
     peaks = {name: _peak_bytes(build, device) for name, build in builders.items()}

@@ -375,27 +375,25 @@ def chain(*optimizers: Optimizer) -> Optimizer:
     def init(params: Any) -> ChainState:
         return ChainState(states=tuple(o.init(params) for o in optimizers))
 
+    def update_each(grads: Any, states: tuple, params: Any, donate: bool) -> tuple[Any, tuple]:
+        """Run the first len(states) transformations in order, each on the last's output."""
+        new_states = []
+        for optimizer, inner in zip(optimizers, states, strict=False):
+            grads, inner = optimizer.update(grads, inner, params, donate=donate)
+            new_states.append(inner)
+        return grads, tuple(new_states)
+
     def update(
         grads: Any, state: ChainState, params: Any, donate: bool = False
     ) -> tuple[Any, ChainState]:
-        new_states = []
-        for optimizer, inner in zip(optimizers, state.states, strict=True):
-            grads, inner = optimizer.update(grads, inner, params, donate=donate)
-            new_states.append(inner)
-        return grads, ChainState(states=tuple(new_states))
+        grads, new_states = update_each(grads, state.states, params, donate)
+        return grads, ChainState(states=new_states)
 
     def fused_step(grads: Any, state: ChainState, params: Any) -> tuple[Any, ChainState]:
         *first, last = state.states
-        transformed, new_states = update_chain(grads, first, params)
+        transformed, new_states = update_each(grads, tuple(first), params, donate=True)
         params, last = optimizers[-1].step(transformed, last, params)
         return params, ChainState(states=(*new_states, last))
-
-    def update_chain(grads: Any, states: list, params: Any) -> tuple[Any, list]:
-        new_states = []
-        for optimizer, inner in zip(optimizers, states, strict=False):
-            grads, inner = optimizer.update(grads, inner, params, donate=True)
-            new_states.append(inner)
-        return grads, new_states
 
     return Optimizer(init, update, fused_step if optimizers else None)
 

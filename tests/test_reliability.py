@@ -14,15 +14,9 @@ from torch import nn
 import funcshard as fs
 from funcshard import collectives, testing
 from funcshard.finite import NonFiniteError
-from funcshard.testing.models import GPT, Block, GPTConfig
+from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
 BLOCKS = fs.policy.module_classes({Block})
-
-
-def _tokens(cfg: GPTConfig, batch: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
-    return t[:, :-1], t[:, 1:]
 
 
 def _gpt_loss(model, state, x, y):
@@ -110,7 +104,7 @@ def test_unchecked_the_same_divergence_is_fatal_in_gloo_which_is_why_checks_exis
 
 
 def _poisoned_batch(rank: int, poison_rank: int, cfg: GPTConfig):
-    x, y = _tokens(cfg, 2, seed=rank)
+    x, y = random_tokens(cfg, 2, seed=rank)
     return x, y, rank == poison_rank
 
 
@@ -151,7 +145,7 @@ def _skip_run(rank: int) -> dict:
     grad_fn = fs.value_and_grad(functools.partial(_gpt_loss, model))
     before = fs.unshard(state)
     for step in range(3):
-        x, y = _tokens(model.cfg, 2, seed=rank)
+        x, y = random_tokens(model.cfg, 2, seed=rank)
         hook = None
         if step == 1 and rank == 1:  # rank 1's batch poisons blocks.0, shard of rank 0
             hook = model.blocks[0].ln1.register_forward_hook(_inf_grad_of_first_weight)
@@ -199,7 +193,7 @@ def _train(mode: str, rank: int) -> dict:
     opt_state = opt.init(state)
     grad_fn = fs.value_and_grad(functools.partial(_gpt_loss, model))
     for step in range(3):
-        x, y = _tokens(model.cfg, 2, seed=100 * step + rank)
+        x, y = random_tokens(model.cfg, 2, seed=100 * step + rank)
         _, grads = grad_fn(state, x, y)
         updates, opt_state = opt.update(grads, opt_state, state)
         state = fs.apply_updates(state, updates)
@@ -223,7 +217,7 @@ def _use_after_donation(rank: int) -> list[str]:
     model, state = _gpt_state(fs.Mesh(shard=2))
     opt = _adamw()
     opt_state = opt.init(state)
-    x, y = _tokens(model.cfg, 2, seed=rank)
+    x, y = random_tokens(model.cfg, 2, seed=rank)
     _, grads = fs.value_and_grad(functools.partial(_gpt_loss, model))(state, x, y)
     updates, opt_state = opt.update(grads, opt_state, state, donate=True)
     new_state = fs.apply_updates(state, updates, donate=True)
@@ -262,7 +256,7 @@ def _rank1_killed_mid_forward(rank: int) -> None:
     model, state = _gpt_state(fs.Mesh(shard=2, timeout=timedelta(seconds=5)), n_layer=3)
     if rank == 1:
         model.blocks[1].register_forward_pre_hook(_die)
-    x, y = _tokens(model.cfg, 2, seed=rank)
+    x, y = random_tokens(model.cfg, 2, seed=rank)
     fs.value_and_grad(functools.partial(_gpt_loss, model))(state, x, y)
 
 

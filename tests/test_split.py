@@ -16,19 +16,13 @@ from torch import nn
 import funcshard as fs
 from funcshard import testing
 from funcshard.split import Bucket, SplitGraph, split
-from funcshard.testing.models import GPT, Block, GPTConfig
+from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 from funcshard.trace import parameters_of, trace
 
 MiB = 2**20
 # GPT(n_layer=3) with Block units holds 50,816 bytes per block and 10,112 in the root:
 # these caps close a bucket at every unit
 BLOCK_CAPS = {"bucket_mb": 30_000 / MiB, "first_bucket_mb": 10_000 / MiB}
-
-
-def _tokens(cfg: GPTConfig, batch: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
-    return t[:, :-1], t[:, 1:]
 
 
 def _loss(model, params, x, y):
@@ -61,7 +55,7 @@ def _sharded_step(mesh_kwargs: dict, rank: int) -> dict:
     state = fs.shard(
         model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(**mesh_kwargs)
     )
-    x, y = _tokens(model.cfg, 2, seed=rank)
+    x, y = random_tokens(model.cfg, 2, seed=rank)
 
     def step(state, x, y):
         return fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
@@ -105,7 +99,7 @@ def _ddp_step(rank: int) -> tuple:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=3))
     state = fs.replicate(model, fs.Mesh(replicate=2), bucket_mb=0.02, first_bucket_mb=0.02)
-    x, y = _tokens(model.cfg, 2, seed=rank)
+    x, y = random_tokens(model.cfg, 2, seed=rank)
 
     def step(state, x, y):
         return fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
@@ -237,7 +231,7 @@ def test_activation_checkpointing_is_inlined_by_tracing_and_still_splits_per_blo
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=3))
     params, _ = fs.extract(model)
-    x, y = _tokens(model.cfg, 2, seed=0)
+    x, y = random_tokens(model.cfg, 2, seed=0)
     step = fs.value_and_grad(functools.partial(_checkpointed_loss, model))
     plain = fs.value_and_grad(functools.partial(_loss, model))(params, x, y)
     eager = step(params, x, y)

@@ -9,15 +9,9 @@ from torch import nn
 
 import funcshard as fs
 from funcshard import collectives, testing
-from funcshard.testing.models import GPT, Block, GPTConfig
+from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
 BLOCKS = fs.policy.module_classes({Block})
-
-
-def _tokens(cfg: GPTConfig, batch: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
-    return t[:, :-1], t[:, 1:]
 
 
 def _loss(model, state, x, y):
@@ -30,7 +24,7 @@ def _one_step_trace(mesh_kwargs: dict, reshard, rank: int) -> list:
     state = fs.shard(
         model, fs.plan(model, policy=BLOCKS), fs.Mesh(**mesh_kwargs), reshard_after_forward=reshard
     )
-    x, y = _tokens(model.cfg, 2, seed=rank)
+    x, y = random_tokens(model.cfg, 2, seed=rank)
     with collectives.record() as log:
         fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
     return [(r.op, len(r.ranks), r.numel, r.dtype) for r in log]  # each rank names its own group
@@ -68,7 +62,7 @@ def _k_trace(rank: int) -> list:
     state = fs.shard(
         model, fs.plan(model, policy=BLOCKS), fs.Mesh(shard=4), reshard_after_forward=2
     )
-    x, y = _tokens(model.cfg, 2, seed=rank)
+    x, y = random_tokens(model.cfg, 2, seed=rank)
     with collectives.record() as log:
         fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
     return [(r.op, len(r.ranks)) for r in log]
@@ -87,7 +81,7 @@ def _frozen_trace(rank: int) -> tuple:
     model.wpe.weight.requires_grad_(False)
     plan = fs.plan(model, policy=fs.policy.module_classes({Block, nn.Embedding}))
     state = fs.shard(model, plan, fs.Mesh(shard=2))
-    x, y = _tokens(model.cfg, 2, seed=rank)
+    x, y = random_tokens(model.cfg, 2, seed=rank)
     with collectives.record() as log:
         _, grads = fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
     wpe = next(f for f in state.layout.flats if f.unit == "wpe")
@@ -107,7 +101,7 @@ def _every_row_trains(world: int, rank: int) -> list:
     torch.manual_seed(0)
     model = GPT(cfg)
     state = fs.shard(model, fs.plan(model, policy=BLOCKS), fs.Mesh(shard=world))
-    x, y = _tokens(cfg, 4, seed=rank)
+    x, y = random_tokens(cfg, 4, seed=rank)
     _, grads = fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
     opt = fs.optim.sgd(1.0)
     updates, _ = opt.update(grads, opt.init(state), state)
@@ -205,7 +199,7 @@ def _explicit_prefetch_trace(rank: int) -> tuple:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=3))
     state = fs.shard(model, fs.plan(model, policy=BLOCKS), fs.Mesh(shard=2))
-    x, y = _tokens(model.cfg, 2, seed=rank)
+    x, y = random_tokens(model.cfg, 2, seed=rank)
     issued = []
     original = sharded_call._Run.issue
 

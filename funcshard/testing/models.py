@@ -121,6 +121,13 @@ class ConvNet(nn.Module):
         return self.classifier(self.features(x).flatten(1))
 
 
+def random_tokens(cfg: GPTConfig, batch: int, seed: int) -> tuple[Tensor, Tensor]:
+    """A seeded batch of random token windows for `cfg`: (inputs, next-token targets)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
 def frozen_embedding_gpt(cfg: GPTConfig = GPTConfig()) -> GPT:
     """A GPT whose position embedding is frozen (fine-tuning style)."""
     model = GPT(cfg)
