@@ -12,10 +12,11 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import optree
 import torch
 from torch import Tensor
 
-from funcshard import collectives, finite, recompute
+from funcshard import collectives, compiled, finite, recompute
 from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
 from funcshard.sharded_call import GradRecorder, Prefetch, recording
@@ -49,9 +50,14 @@ def value_and_grad(
             f"with explicit orders; got {type(prefetch).__name__}."
         )
 
-    @functools.wraps(f)
+    @functools.wraps(f, updated=())  # (merging f.__dict__ is untraceable for a partial)
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if isinstance(params, ShardedState):
+        if isinstance(params, ShardedState) and compiled.tracing():
+            (loss, aux), grads = compiled.value_and_grad(
+                f, has_aux, reduce, all_reduce, params, args, kwargs, _split
+            )
+            value = _value(loss, aux, has_aux)
+        elif isinstance(params, ShardedState):
             recorder = GradRecorder(params, reduce, all_reduce, prefetch)
             value, grads = _sharded_value_and_grad(f, has_aux, recorder, args, kwargs)
         elif isinstance(params, Mapping):
@@ -72,7 +78,7 @@ def grad(f: Callable[..., Any], has_aux: bool = False, **options: Any) -> Callab
     """Like `value_and_grad`, returning only the gradient (and aux, with `has_aux`)."""
     inner = value_and_grad(f, has_aux=has_aux, **options)
 
-    @functools.wraps(f)
+    @functools.wraps(f, updated=())
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> Any:
         value, grads = inner(params, *args, **kwargs)
         return (grads, value[1]) if has_aux else grads
@@ -91,6 +97,16 @@ def _split(out: Any, has_aux: bool, where: str) -> tuple[Tensor, Any]:
     return loss, aux
 
 
+def _value(loss: Tensor, aux: Any, has_aux: bool) -> Any:
+    """What value_and_grad returns as its value: the loss (and aux), detached: values, not
+    handles into a backward pass that has already run."""
+    if not has_aux:
+        return loss.detach()
+    return loss.detach(), optree.tree_map(
+        lambda x: x.detach() if isinstance(x, Tensor) else x, aux, none_is_leaf=True
+    )
+
+
 def _sharded_value_and_grad(f, has_aux, recorder, args, kwargs):
     state = recorder.state
     try:
@@ -107,8 +123,7 @@ def _sharded_value_and_grad(f, has_aux, recorder, args, kwargs):
         recorder.leaves.clear()
         recorder.runs.clear()
     grads = _finish(recorder)
-    value = (loss.detach(), aux) if has_aux else loss.detach()
-    return value, grads
+    return _value(loss, aux, has_aux), grads
 
 
 def _finish(recorder: GradRecorder) -> ShardedGrads | LocalGrads:
@@ -170,8 +185,7 @@ def _dict_value_and_grad(f, has_aux, params, args, kwargs):
     grads: dict[str, Tensor | None] = dict.fromkeys(params)
     for k, g in zip(trainable, found, strict=True):
         grads[k] = torch.zeros_like(inputs[k]) if g is None else g
-    value = (loss.detach(), aux) if has_aux else loss.detach()
-    return value, grads
+    return _value(loss, aux, has_aux), grads
 
 
 def accumulate(a: Any, b: Any) -> Any:

@@ -150,6 +150,28 @@ def all_reduce(
     return Pending(out, op="all_reduce", group=group, what=what)
 
 
+def gathered(shard: Tensor, group: ProcessGroup) -> Tensor:
+    """`all_gather(...).wait()` as plain graph nodes, for steps dynamo traces
+    (funcshard/compiled.py): no record, no cross-rank check, no error wrapping."""
+    if group.size() == 1:
+        return shard
+    return _ops.wait_tensor(_ops.all_gather_into_tensor(shard, group.size(), group.group_name))
+
+
+def reduced_scattered(flat: Tensor, group: ProcessGroup, op: str = "avg") -> Tensor:
+    """`reduce_scatter(...).wait()` as plain graph nodes (see `gathered`)."""
+    if group.size() == 1:
+        return flat
+    return _ops.wait_tensor(_ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name))
+
+
+def all_reduced(tensor: Tensor, group: ProcessGroup, op: str = "avg") -> Tensor:
+    """`all_reduce(...).wait()` as plain graph nodes (see `gathered`)."""
+    if group.size() == 1:
+        return tensor
+    return _ops.wait_tensor(_ops.all_reduce(tensor, op, group.group_name))
+
+
 def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str) -> None:
     """Record the collective for `record()` and, on a checked group, compare it across ranks."""
     if _recording:

@@ -27,6 +27,8 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from funcshard import collectives
 
 AXES = ("replicate", "shard")
+_RESOLVED_AT_INIT = ("shard_rank", "replicate_rank", "shard_group", "replicate_group")
+_PER_PROCESS = (*_RESOLVED_AT_INIT, "group")
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,19 @@ class Mesh:
                 raise TypeError(f"{where}: {axis} must be an int, got {type(size).__name__}.")
             if size < 1:
                 raise ValueError(f"{where}: {axis} must be at least 1, got {size}.")
-        if self._device_mesh is not None:
-            return
+        if self._device_mesh is None:
+            self._build_device_mesh(where)
+        # Resolved now, not on first use: a step that dynamo traces reads them from the
+        # instance (it would otherwise trace into cached_property's lock and break the graph).
+        for name in _RESOLVED_AT_INIT:
+            getattr(self, name)
+
+    def __getstate__(self) -> dict:
+        """Pickled without its process groups, which belong to this process (a mesh read
+        back in another process of the same job looks them up again on first use)."""
+        return {k: v for k, v in self.__dict__.items() if k not in _PER_PROCESS}
+
+    def _build_device_mesh(self, where: str) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 f"{where}: torch.distributed is not initialized. Launch with torchrun and use "

@@ -173,8 +173,10 @@ def _like(grads: Any, leaves: list[Tensor | None], donated: bool = False) -> Any
     return dict(zip(grads.keys(), leaves, strict=True))
 
 
-def _lr_at(lr: LearningRate, step: int) -> float:
-    return float(lr(step)) if callable(lr) else float(lr)
+def _lr_at(lr: LearningRate, step: Tensor) -> float:
+    """The learning rate at `step` (read as an int only for a schedule: a traced step with
+    a schedule breaks its graph there)."""
+    return float(lr(int(step))) if callable(lr) else float(lr)
 
 
 def _check_rates(where: str, lr: LearningRate, **rates: float) -> None:
@@ -207,7 +209,7 @@ def sgd(
         grads: Any, state: SgdState, params: Any, donate: bool = False
     ) -> tuple[Any, SgdState]:
         step = state.step + 1
-        rate = _lr_at(lr, int(step))
+        rate = _lr_at(lr, step)
         updates = [None] * len(state.momentum)
         momenta = list(state.momentum)
         for i, p, g in _live(grads, params):
@@ -276,7 +278,7 @@ def _adam_family(
             [v],
             [],
             [step.to(torch.float32).clone()],
-            lr=_lr_at(lr, int(step)),
+            lr=_lr_at(lr, step),
             beta1=beta1,
             beta2=beta2,
             weight_decay=weight_decay,
@@ -289,8 +291,11 @@ def _adam_family(
         grads: Any, state: AdamState, params: Any, donate: bool = False
     ) -> tuple[Any, AdamState]:
         step = state.step + 1
-        n = int(step)
-        rate = _lr_at(lr, n)
+        # a traced step keeps the count a tensor (int() would break the graph); torch's
+        # fused kernel has no functional form to trace, so tracing takes the unfused math
+        tracing = torch.compiler.is_dynamo_compiling()
+        n = step.double() if tracing else int(step)
+        rate = _lr_at(lr, step)
         step_size = rate / (1 - beta1**n)
         bias_correction2_sqrt = (1 - beta2**n) ** 0.5
         updates = [None] * len(state.exp_avg)
@@ -298,7 +303,7 @@ def _adam_family(
         for i, p, g in _live(grads, params):
             m = m_all[i] if donate else m_all[i].clone()
             v = v_all[i] if donate else v_all[i].clone()
-            if p.dtype in _FUSED_DTYPES:  # torch's fused kernel, on a copy of the parameter
+            if p.dtype in _FUSED_DTYPES and not tracing:  # fused kernel, on a copy of the param
                 new = p.detach().clone()
                 fused_step_of(new, g, m, v, step)
                 updates[i], m_all[i], v_all[i] = new.sub_(p), m, v
@@ -326,6 +331,8 @@ def _adam_family(
 
     def fused_step(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState] | None:
         live = _live(grads, params)
+        if torch.compiler.is_dynamo_compiling():
+            return None  # see update(): tracing takes the unfused math
         if not _steps_in_place(params, [p for _, p, _ in live]):
             return None
         step = state.step + 1

@@ -35,7 +35,11 @@ _INSIDE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def calling(module_ids: frozenset[int]) -> Iterator[None]:
-    """Mark these modules as running inside a funcshard.call (for the watched backward)."""
+    """Mark these modules as running inside a funcshard.call (for the watched backward).
+    Nothing to mark while dynamo traces: recomputation happens inside the traced graph."""
+    if torch.compiler.is_dynamo_compiling():
+        yield
+        return
     ran = _RAN.get()
     if ran is not None:
         ran.update(module_ids)

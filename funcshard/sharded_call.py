@@ -45,7 +45,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from funcshard import collectives, recompute
+from funcshard import collectives, compiled, recompute
 from funcshard.layout import Layout, frozen_ranges, param_views
 from funcshard.module import call as call_on_dict
 from funcshard.precision import gather_dtype, reduce_dtype
@@ -620,6 +620,8 @@ def call(
             model, params, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
         )
     state = params
+    if compiled.tracing():
+        return compiled.call(model, state, args, kwargs, buffers, mutable, method)
     ensure_live(state, "call")
     binding = bind(model, state.layout)
     run = _Run(binding, state, _RECORDER.get())

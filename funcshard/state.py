@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 from tabulate import tabulate
 from torch import Tensor
 
@@ -26,12 +27,17 @@ class DonatedError(RuntimeError):
 def donate(record: object, to: str) -> None:
     """Mark `record` (a ShardedState or ShardedGrads) as given to `to`, which reuses its
     memory for its result: any later use raises DonatedError instead of reading those
-    numbers (JAX deletes donated arrays for the same reason)."""
+    numbers (JAX deletes donated arrays for the same reason). Not marked in a step dynamo
+    traces: the compiled step owns its inputs' memory, and dynamo cannot trace the mark."""
+    if torch.compiler.is_dynamo_compiling():
+        return
     object.__setattr__(record, "_donated_to", to)
 
 
 def ensure_live(record: object, where: str) -> None:
     """Raise DonatedError if `record` was donated."""
+    if torch.compiler.is_dynamo_compiling():
+        return
     to = record.__dict__.get("_donated_to")
     if to is not None:
         kind = type(record).__name__
