@@ -1,10 +1,11 @@
-"""The traced, split and compiled gradient step against the eager one, on 2 gloo ranks.
+"""The traced, split and compiled gradient steps against the eager one, on 2 gloo ranks.
 
     python -m benchmarks.compiled [--backend aot_eager|inductor] [--rounds 10] [--layers 3]
 
 Each rank builds the same GPT, shards it (FSDP, blocks as units) and times, in rotation,
 `fs.value_and_grad` run eagerly, the same step traced (`fs.trace`) and split into buckets
-(`fs.split`, not compiled), and the split step with each piece compiled by `--backend`.
+(`fs.split`, not compiled), the split step with each piece compiled by `--backend`, and the
+whole step under `torch.compile(backend=...)` (one graph; see funcshard/compiled.py).
 Before timing, each variant's loss and grads are checked against eager (1e-5).
 """
 
@@ -50,11 +51,17 @@ def _rank(layers: int, backend: str, rounds: int, rank: int) -> dict:
         "compiled": _close(compiled(state, x, y), eager),
     }
     compile_s = time.perf_counter() - started
+    torch._dynamo.config.trace_autograd_ops = True  # so the whole step is one graph
+    whole = torch.compile(step, backend=backend, fullgraph=True)
+    started = time.perf_counter()
+    checks["torch.compile"] = _close(whole(state, x, y), eager)
+    whole_compile_s = time.perf_counter() - started
     times = interleaved_medians(
         {
             "eager": lambda: step(state, x, y),
             "traced and split": lambda: pieces(state, x, y),
             f"split, compiled ({backend})": lambda: compiled(state, x, y),
+            f"torch.compile(step) ({backend})": lambda: whole(state, x, y),
         },
         warmup=2,
         rounds=rounds,
@@ -65,6 +72,7 @@ def _rank(layers: int, backend: str, rounds: int, rank: int) -> dict:
         "buckets": len(pieces.buckets),
         "trace_s": traced_s,
         "compile_s": compile_s,
+        "whole_compile_s": whole_compile_s,
     }
 
 
@@ -85,7 +93,8 @@ def main() -> None:
     print(
         f"GPT {args.layers} blocks (d 384, vocab 8192), 2 gloo ranks, batch 2x64 per rank, "
         f"gradient step only, median of {args.rounds} interleaved rounds; {r0['buckets']} "
-        f"buckets; trace {r0['trace_s']:.1f} s, compile {r0['compile_s']:.1f} s"
+        f"buckets; trace {r0['trace_s']:.1f} s, compile {r0['compile_s']:.1f} s (pieces), "
+        f"{r0['whole_compile_s']:.1f} s (torch.compile)"
     )
     print(tabulate(rows, headers=["step", "ms", "vs eager"]))
     passed = all(all(r["checks"].values()) for r in results)

@@ -50,7 +50,7 @@ def _assert_trees_close(a, b) -> None:
 
 
 def _clone(tree):
-    return torch.utils._pytree.tree_map(lambda t: t.clone(), tree)
+    return torch.utils._pytree.tree_map(lambda t: None if t is None else t.clone(), tree)
 
 
 def _train(mesh_kwargs: dict, optimizer: str, rank: int) -> dict:
@@ -207,3 +207,45 @@ def test_without_trace_autograd_ops_it_still_works_breaking_only_around_autograd
         assert sorted(b.split(" with")[0].split(" as output")[0] for b in breaks) == sorted(
             expected
         ), breaks
+
+
+def _other_transforms(what: str, rank: int) -> tuple:
+    """A function of other funcshard transforms, compiled and eager."""
+    _fresh_dynamo()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2))
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block}))
+    state = fs.shard(model, plan, fs.Mesh(shard=2))
+    x, y = random_tokens(model.cfg, 2, seed=rank)
+    loss_fn = functools.partial(_gpt_loss, model)
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(0.5), fs.optim.sgd(0.1))
+
+    def clipped_step(state, opt_state, x, y):
+        _, grads = fs.value_and_grad(loss_fn)(state, x, y)
+        return opt.step(grads, opt_state, state)
+
+    def accumulated(state, x, y):
+        _, first = fs.value_and_grad(loss_fn, reduce=False)(state, x, y)
+        _, second = fs.value_and_grad(loss_fn, reduce=False)(state, y, x)
+        return fs.reduce(state, fs.accumulate(first, second))
+
+    def unsharded_and_evaluated(state, x):
+        with torch.no_grad():
+            return fs.unshard(state), fs.call(model, state, x)
+
+    fn, args = {
+        "clip and sgd": (clipped_step, (state, opt.init(state), x, y)),
+        "accumulate and reduce": (accumulated, (state, x, y)),
+        "unshard and eval": (unsharded_and_evaluated, (state, x)),
+    }[what]
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(*_clone(args))
+    return compiled, fn(*_clone(args)), _graph_breaks()
+
+
+@pytest.mark.parametrize("what", ["clip and sgd", "accumulate and reduce", "unshard and eval"])
+def test_other_transforms_compile_into_one_graph_too(what):
+    for compiled, eager, breaks in testing.run(
+        functools.partial(_other_transforms, what), 2, timeout=240
+    ):
+        assert breaks == {}
+        _assert_trees_close(compiled, eager)
