@@ -43,6 +43,7 @@ from funcshard.mesh import Mesh
 from funcshard.module import call as call_on_dict
 from funcshard.precision import MixedPrecision, gather_dtype, reduce_dtype
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState
+from funcshard.tree import register_record
 
 
 def tracing() -> bool:
@@ -59,12 +60,12 @@ class _GatherReduce(torch.autograd.Function):
     def forward(
         shard: Tensor, flat: FlatLayout, mesh: Mesh, mp: Any, across_replicas: bool
     ) -> Tensor:
-        return collectives.gathered(shard.to(gather_dtype(mp, flat)), mesh.shard_group)
+        return _gathered(shard, flat, mesh, mp)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
         shard, ctx.flat, ctx.mesh, ctx.mp, ctx.across_replicas = inputs
-        ctx.shard_dtype = shard.dtype
+        ctx.shard_dtype, ctx.shard_device = shard.dtype, shard.device
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -73,35 +74,59 @@ class _GatherReduce(torch.autograd.Function):
         grad = collectives.reduced_scattered(grad, mesh.shard_group, "avg")
         if ctx.across_replicas:
             grad = collectives.all_reduced(grad, mesh.replicate_group, "avg")
-        return grad.to(ctx.shard_dtype), None, None, None, None
+        return grad.to(ctx.shard_device, ctx.shard_dtype), None, None, None, None
+
+
+def _gathered(shard: Tensor, flat: FlatLayout, mesh: Mesh, mp: Any) -> Tensor:
+    """`unshard` of one flat buffer: on the mesh's device, in the gather dtype."""
+    return collectives.gathered(shard.to(mesh.device, gather_dtype(mp, flat)), mesh.shard_group)
 
 
 def _zero_frozen(grad: Tensor, flat: FlatLayout) -> Tensor:
     """The gradient with the frozen members of a trainable buffer zeroed (frozen="warn")."""
-    for frozen in frozen_ranges(flat) if flat.frozen_fqns else ():
-        grad = grad.index_fill(0, torch.arange(frozen.start, frozen.stop), 0)
+    ranges = frozen_ranges(flat) if flat.frozen_fqns else ()
+    if ranges:
+        grad = grad.clone()
+        for frozen in ranges:
+            grad[frozen] = 0
     return grad
 
 
 @dataclass(frozen=True, eq=False)
 class _Differentiated(ShardedState):
     """The state `value_and_grad` hands to the function it differentiates while dynamo
-    traces: says how `call` gathers, and so how gradients come back. `"mean"` and
-    `"shard"` (HSDP without the all-reduce across replicas) hold shards that require
-    grad; with `"none"` (reduce=False) `shards` are already the gathered buffers."""
+    traces: the state itself (its `shards` unchanged), plus the `leaves` gradients are
+    taken with respect to and how `call` gathers from them. `"mean"` and `"shard"` (HSDP
+    without the all-reduce across replicas): leaves are the shards, gathered through
+    `_GatherReduce`; `"none"` (reduce=False): leaves are the gathered buffers themselves.
+    A frozen buffer's leaf is None (gathered from its shard without gradient)."""
 
+    leaves: tuple[Tensor | None, ...] = ()
     reduction: str = "mean"
 
 
+register_record(
+    _Differentiated,
+    data_fields=("shards", "replicated", "buffers", "leaves"),
+    meta_fields=("layout", "mp", "reshard_after_forward", "offload", "reduction"),
+)
+
+
 def _full_buffer(state: ShardedState, i: int) -> Tensor:
-    """Flat buffer `i` of the state, gathered (differentiably where its shard requires grad)."""
-    shard, flat, mesh = state.shards[i], state.layout.flats[i], state.layout.mesh
-    reduction = getattr(state, "reduction", "mean")
-    if reduction == "none":
-        return shard
-    if shard.requires_grad:
-        return _GatherReduce.apply(shard, flat, mesh, state.mp, reduction == "mean")
-    return collectives.gathered(shard.to(gather_dtype(state.mp, flat)), mesh.shard_group)
+    """Flat buffer `i` of the state, gathered (differentiably, for value_and_grad)."""
+    flat, mesh = state.layout.flats[i], state.layout.mesh
+    leaf = state.leaves[i] if isinstance(state, _Differentiated) else None
+    if leaf is None:
+        return _gathered(state.shards[i], flat, mesh, state.mp)
+    if state.reduction == "none":
+        return leaf
+    return _GatherReduce.apply(leaf, flat, mesh, state.mp, state.reduction == "mean")
+
+
+def differentiating(state: ShardedState) -> bool:
+    """Whether `state` is the one a traced value_and_grad differentiates (else a plain
+    traced call gathers it without gradient)."""
+    return isinstance(state, _Differentiated)
 
 
 def full_params(state: ShardedState) -> dict[str, Tensor]:
@@ -153,26 +178,31 @@ def value_and_grad(
         inputs = state.shards
     else:  # differentiate with respect to the gathered buffers themselves
         inputs = tuple(
-            collectives.gathered(s.to(gather_dtype(state.mp, flat)), layout.mesh.shard_group)
+            _gathered(s, flat, layout.mesh, state.mp)
             for s, flat in zip(state.shards, layout.flats, strict=True)
         )
-    leaves = [
+    leaves = tuple(
         None if flat.frozen else x.detach().requires_grad_()
         for x, flat in zip(inputs, layout.flats, strict=True)
-    ]
+    )
     traced = _Differentiated(
-        shards=tuple(x if leaf is None else leaf for x, leaf in zip(inputs, leaves, strict=True)),
+        shards=state.shards,
         replicated=state.replicated,
         buffers=state.buffers,
         layout=layout,
         mp=state.mp,
         reshard_after_forward=state.reshard_after_forward,
         offload=state.offload,
+        leaves=leaves,
         reduction="none" if not reduce else "mean" if all_reduce else "shard",
     )
     loss, aux = split(f(traced, *args, **kwargs), has_aux, "value_and_grad")
     trainable = [leaf for leaf in leaves if leaf is not None]
-    found = iter(torch.autograd.grad(loss, trainable, allow_unused=True) if trainable else ())
+    found = iter(
+        torch.autograd.grad(loss, trainable, allow_unused=True)
+        if trainable and loss.requires_grad
+        else [None] * len(trainable)
+    )
     grads = [None if leaf is None else next(found) for leaf in leaves]
     grads = [
         torch.zeros_like(leaf) if leaf is not None and g is None else g

@@ -66,15 +66,24 @@ class Mesh:
                 raise ValueError(f"{where}: {axis} must be at least 1, got {size}.")
         if self._device_mesh is None:
             self._build_device_mesh(where)
+        self._resolve()
+
+    def __getstate__(self) -> dict:
+        """Pickled without its process groups, which belong to this process."""
+        return {k: v for k, v in self.__dict__.items() if k not in _PER_PROCESS}
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (or a mesh read back in a process of the same job) resolves its groups at
+        once, as a new mesh does."""
+        self.__dict__.update(state)
+        if dist.is_available() and dist.is_initialized():
+            self._resolve()
+
+    def _resolve(self) -> None:
         # Resolved now, not on first use: a step that dynamo traces reads them from the
         # instance (it would otherwise trace into cached_property's lock and break the graph).
         for name in _RESOLVED_AT_INIT:
             getattr(self, name)
-
-    def __getstate__(self) -> dict:
-        """Pickled without its process groups, which belong to this process (a mesh read
-        back in another process of the same job looks them up again on first use)."""
-        return {k: v for k, v in self.__dict__.items() if k not in _PER_PROCESS}
 
     def _build_device_mesh(self, where: str) -> None:
         if not dist.is_available() or not dist.is_initialized():

@@ -621,7 +621,30 @@ def call(
         )
     state = params
     if compiled.tracing():
-        return compiled.call(model, state, args, kwargs, buffers, mutable, method)
+        if compiled.differentiating(state) or not torch.is_grad_enabled():
+            return compiled.call(model, state, args, kwargs, buffers, mutable, method)
+        # a compiled function called by an eager value_and_grad (or whose caller may take
+        # gradients some other way): only the eager call lets that recorder see its units
+        return _eager_call(
+            model, state, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
+        )
+    return _eager_call(
+        model, state, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
+    )
+
+
+@torch._dynamo.disable
+def _eager_call(
+    model: nn.Module,
+    state: ShardedState,
+    *args: Any,
+    buffers: Mapping[str, Tensor] | None,
+    mutable: bool,
+    method: str,
+    **kwargs: Any,
+) -> Any:
+    """`call` on a sharded state, eagerly (dynamo leaves it to Python; see [Note: per-unit
+    gathering])."""
     ensure_live(state, "call")
     binding = bind(model, state.layout)
     run = _Run(binding, state, _RECORDER.get())
