@@ -33,15 +33,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor, nn
 
-from funcshard import collectives
+from funcshard import collectives, precision
 from funcshard.layout import FlatLayout, frozen_ranges, param_views
 from funcshard.mesh import Mesh
 from funcshard.module import call as call_on_dict
-from funcshard.precision import MixedPrecision, gather_dtype, reduce_dtype
+from funcshard.precision import gather_dtype, reduce_dtype
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState
 from funcshard.tree import register_record
 
@@ -147,7 +146,7 @@ def call(
     method: str,
 ) -> Any:
     """`funcshard.call` on a sharded state while dynamo traces (see the note above)."""
-    args, kwargs = cast_inputs(state.mp, args, kwargs)
+    args, kwargs = precision.cast_inputs(state.mp, args, kwargs)
     out, new_buffers = call_on_dict(
         model,
         full_params(state),
@@ -157,7 +156,7 @@ def call(
         method=method,
         **kwargs,
     )
-    out = cast_outputs(state.mp, out)
+    out = precision.cast_outputs(state.mp, out)
     return (out, new_buffers) if mutable else out
 
 
@@ -218,24 +217,3 @@ def value_and_grad(
         g = _zero_frozen(g.to(reduce_dtype(state.mp, flat)), flat)
         local.update(zip(flat.fqns, param_views(g, flat), strict=True))
     return (loss, aux), LocalGrads(grads=local, layout=layout)
-
-
-def cast_inputs(mp: MixedPrecision | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Floating-point inputs cast to `mp.param_dtype` when the policy asks for it."""
-    if mp is None or not mp.cast_inputs or mp.param_dtype is None:
-        return args, kwargs
-
-    def cast(x: Any) -> Any:
-        return x.to(mp.param_dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
-
-    return optree.tree_map(cast, args), optree.tree_map(cast, kwargs)
-
-
-def cast_outputs(mp: MixedPrecision | None, out: Any) -> Any:
-    """Floating-point outputs cast to `mp.output_dtype`, if set."""
-    if mp is None or mp.output_dtype is None:
-        return out
-    return optree.tree_map(
-        lambda x: x.to(mp.output_dtype) if isinstance(x, Tensor) and x.is_floating_point() else x,
-        out,
-    )

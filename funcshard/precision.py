@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import optree
 import torch
+from torch import Tensor
 
 if TYPE_CHECKING:
     from funcshard.layout import FlatLayout
@@ -54,3 +56,24 @@ def reduce_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype:
     if mp is None or flat.keep_fp32:
         return flat.dtype
     return mp.reduce_dtype_for(flat.dtype)
+
+
+def cast_inputs(mp: MixedPrecision | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Floating-point inputs cast to `mp.param_dtype` when the policy asks for it."""
+    if mp is None or not mp.cast_inputs or mp.param_dtype is None:
+        return args, kwargs
+
+    def cast(x: Any) -> Any:
+        return x.to(mp.param_dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+
+    return optree.tree_map(cast, args), optree.tree_map(cast, kwargs)
+
+
+def cast_outputs(mp: MixedPrecision | None, out: Any) -> Any:
+    """Floating-point outputs cast to `mp.output_dtype`, if set."""
+    if mp is None or mp.output_dtype is None:
+        return out
+    return optree.tree_map(
+        lambda x: x.to(mp.output_dtype) if isinstance(x, Tensor) and x.is_floating_point() else x,
+        out,
+    )

@@ -41,14 +41,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor, nn
 
 from funcshard import collectives, compiled, recompute
 from funcshard.layout import Layout, frozen_ranges, param_views
 from funcshard.module import call as call_on_dict
-from funcshard.precision import gather_dtype, reduce_dtype
+from funcshard.precision import cast_inputs, cast_outputs, gather_dtype, reduce_dtype
 from funcshard.state import ShardedState, ensure_live
 from funcshard.tree import format_names, join_fqn
 
@@ -653,7 +652,7 @@ def _eager_call(
     new_buffers = {
         k: v.clone() for k, v in (buffers if buffers is not None else state.buffers).items()
     }
-    args, kwargs = _cast_inputs(state, args, kwargs)
+    args, kwargs = cast_inputs(state.mp, args, kwargs)
     originals = _save_slots(binding)
     hooks = _install_hooks(binding, run)
     try:
@@ -688,7 +687,7 @@ def _eager_call(
     else:
         run.full = [None] * len(run.full)
         run.params = [None] * len(run.params)
-    out = _cast_outputs(state, out)
+    out = cast_outputs(state.mp, out)
     return (out, new_buffers) if mutable else out
 
 
@@ -725,24 +724,3 @@ def _save_slots(binding: Binding) -> list[tuple[Slot, Tensor]]:
 def _restore_slots(saved: list[tuple[Slot, Tensor]]) -> None:
     for slot, tensor in saved:
         _set_slot(slot, tensor)
-
-
-def _cast_inputs(state: ShardedState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    mp = state.mp
-    if mp is None or not mp.cast_inputs or mp.param_dtype is None:
-        return args, kwargs
-
-    def cast(x: Any) -> Any:
-        return x.to(mp.param_dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
-
-    return optree.tree_map(cast, args), optree.tree_map(cast, kwargs)
-
-
-def _cast_outputs(state: ShardedState, out: Any) -> Any:
-    mp = state.mp
-    if mp is None or mp.output_dtype is None:
-        return out
-    return optree.tree_map(
-        lambda x: x.to(mp.output_dtype) if isinstance(x, Tensor) and x.is_floating_point() else x,
-        out,
-    )
