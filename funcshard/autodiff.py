@@ -113,7 +113,7 @@ def _sharded_value_and_grad(f, has_aux, recorder, args, kwargs):
         with recording(recorder), recompute.recording() as ran:
             loss, aux = _split(f(state, *args, **kwargs), has_aux, "value_and_grad")
         if recorder.leaves and loss.requires_grad:
-            with recompute.refused(ran):
+            with recompute.recomputing(ran):
                 torch.autograd.backward(loss, inputs=recorder.leaves)
         for run in recorder.runs:
             run.flush()
@@ -176,7 +176,7 @@ def _dict_value_and_grad(f, has_aux, params, args, kwargs):
     with recompute.recording() as ran:
         loss, aux = _split(f(inputs, *args, **kwargs), has_aux, "value_and_grad")
     trainable = [k for k, v in inputs.items() if v.requires_grad]
-    with recompute.refused(ran):
+    with recompute.recomputing(ran):
         found = (
             torch.autograd.grad(loss, [inputs[k] for k in trainable], allow_unused=True)
             if trainable and loss.requires_grad

@@ -68,7 +68,8 @@ def call(
         _check_keys(model, buffers, buffer_slots, "buffers")
     new_buffers = {name: b.clone() for name, b in buffers.items()}
     tensors = {**param_slots.feed(params), **buffer_slots.feed(new_buffers)}
-    with recompute.calling(frozenset(id(m) for m in model.modules())):
+    reentry = _Reparametrization(model, tensors, frozenset(buffer_slots.firsts + buffer_slots.fed))
+    with recompute.calling(frozenset(id(m) for m in model.modules()), reentry):
         out, new_buffers = _functional_call(
             model, tensors, buffer_slots.firsts, method, args, kwargs
         )
@@ -139,6 +140,34 @@ def reparametrized(model: nn.Module, tensors: Params) -> Iterator[nn.Module]:
     """Temporarily put `tensors` (from `feed_tied`) in the model's slots; restored after."""
     with _reparametrize_module(model, tensors, tie_weights=False, strict=False):
         yield model
+
+
+class _Reparametrization:
+    """Puts one finished call's tensors back into its model while backward recomputes one
+    of its modules (see [Note: recomputation after funcshard.call]); buffers are copies, so
+    a recomputation that updates them in place leaves the call's results alone."""
+
+    def __init__(self, model: nn.Module, tensors: Params, buffer_names: frozenset[str]) -> None:
+        self.model, self.tensors, self.buffer_names = model, tensors, buffer_names
+        self.depth = 0
+        self.context: contextlib.ExitStack | None = None
+
+    def enter(self, module: nn.Module) -> object:
+        if self.depth == 0:
+            tensors = {
+                k: v.detach().clone() if k in self.buffer_names else v
+                for k, v in self.tensors.items()
+            }
+            self.context = contextlib.ExitStack()
+            self.context.enter_context(reparametrized(self.model, tensors))
+        self.depth += 1
+        return None
+
+    def exit(self, token: object) -> None:
+        self.depth -= 1
+        if self.depth == 0 and self.context is not None:
+            self.context.close()
+            self.context = None
 
 
 def _functional_call(

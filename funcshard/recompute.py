@@ -1,16 +1,24 @@
-"""Refuse a module recomputed after `funcshard.call` returned (activation checkpointing).
+"""Put a call's tensors back when backward recomputes one of its modules (activation
+checkpointing).
 
 [Note: recomputation after funcshard.call]
 `funcshard.call` puts the state's (or the dict's) tensors into a module only while the call
 runs, and puts the module's own back when it returns. Activation checkpointing
-(`torch.utils.checkpoint`) runs a module's forward again during backward, which comes after
-the call returned, so the recomputed activations would come from the module's own weights
-and the gradients would be silently wrong (on a meta-built model, an obscure meta-device
-error). Until recomputation is supported, `value_and_grad` watches, during its backward,
-every module that a differentiated call ran: one running again outside any
-`funcshard.call` raises. A recomputation that itself goes through `funcshard.call` (a
-checkpointed function calling `fs.call(block, params, h)`) puts the right tensors in place
-and is allowed.
+(`torch.utils.checkpoint`, non-reentrant) runs a module's forward again during backward,
+after the call returned: left alone it would read the module's own weights and the
+gradients would be silently wrong (on a meta-built model, an obscure meta-device error).
+
+So every differentiated call registers, for each module of its model, a `Reentry`: how to
+put that call's tensors back into the model. During `value_and_grad`'s backward a global
+module pre-hook watches: when a module of such a call starts outside any call, the call's
+tensors go back in (for a sharded call: the units owning parameters under that module,
+regathered if they were resharded, plus the state's replicated tensors and copies of its
+buffers), and they come out again when that module's forward ends. A module nested in it
+finds its tensors already in place (the call counts what it put in, so only the outermost
+takes them out). The recomputed values equal the first forward's, so
+the gradients are the ones an unchecked run gives. Recomputation that itself goes through
+`funcshard.call` (a checkpointed function calling `fs.call(block, params, h)`) puts its
+own tensors in place, as any call does.
 """
 
 from __future__ import annotations
@@ -19,13 +27,28 @@ import contextlib
 import contextvars
 import sys
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 
-_RAN: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar(
+
+class Reentry(Protocol):
+    """How one finished call puts its tensors back into its model for a recomputation."""
+
+    def enter(self, module: nn.Module) -> object:
+        """Put the tensors `module`'s forward reads in place; return what `exit` needs."""
+
+    def exit(self, token: object) -> None:
+        """Put back what was in place before `enter`."""
+
+
+_RAN: contextvars.ContextVar[dict[int, Reentry] | None] = contextvars.ContextVar(
     "funcshard_modules_ran", default=None
 )
 _INSIDE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
@@ -34,15 +57,16 @@ _INSIDE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def calling(module_ids: frozenset[int]) -> Iterator[None]:
-    """Mark these modules as running inside a funcshard.call (for the watched backward).
+def calling(module_ids: frozenset[int], reentry: Reentry) -> Iterator[None]:
+    """Mark these modules as running inside a funcshard.call, and (when value_and_grad is
+    recording) remember how `reentry` puts this call's tensors back for a recomputation.
     Nothing to mark while dynamo traces: recomputation happens inside the traced graph."""
     if torch.compiler.is_dynamo_compiling():
         yield
         return
     ran = _RAN.get()
     if ran is not None:
-        ran.update(module_ids)
+        ran.update(dict.fromkeys(module_ids, reentry))
     token = _INSIDE.set(_INSIDE.get() | module_ids)
     try:
         yield
@@ -72,9 +96,9 @@ def refuse_reentrant_checkpoint(where: str) -> None:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[set[int]]:
-    """Collect the modules that differentiated calls run inside the block."""
-    token = _RAN.set(set())
+def recording() -> Iterator[dict[int, Reentry]]:
+    """Collect the modules that differentiated calls run inside the block, with their calls."""
+    token = _RAN.set({})
     try:
         yield _RAN.get()
     finally:
@@ -82,26 +106,34 @@ def recording() -> Iterator[set[int]]:
 
 
 @contextlib.contextmanager
-def refused(ran: set[int]) -> Iterator[None]:
-    """During the block (a backward pass), running any of `ran` outside a call raises."""
+def recomputing(ran: dict[int, Reentry]) -> Iterator[None]:
+    """During the block (a backward pass), a module of `ran` that runs again outside a call
+    gets its call's tensors back for the length of its forward."""
     if not ran:
         yield
         return
+    entered: list[tuple[nn.Module, Reentry, object]] = []
 
-    def check(module: nn.Module, args: object) -> None:
-        if id(module) in ran and id(module) not in _INSIDE.get():
-            raise RuntimeError(
-                f"funcshard.value_and_grad: a {type(module).__name__} ran again during "
-                f"backward, after funcshard.call had returned (activation checkpointing "
-                f"recomputes it then). It would read the module's own parameters instead of "
-                f"the state's and give wrong gradients. Recomputing inside funcshard.call is "
-                f"not supported yet: drop checkpointing from modules run through it, or, with "
-                f"a params dict, checkpoint a function that itself calls "
-                f"funcshard.call(submodule, params, ...)."
-            )
+    def before(module: nn.Module, args: object) -> None:
+        reentry = ran.get(id(module))
+        if reentry is None or id(module) in _INSIDE.get():
+            return
+        entered.append((module, reentry, reentry.enter(module)))
 
-    handle = register_module_forward_pre_hook(check)
+    def after(module: nn.Module, args: object, output: object) -> None:
+        if entered and entered[-1][0] is module:
+            _, reentry, token = entered.pop()
+            reentry.exit(token)
+
+    handles = (
+        register_module_forward_pre_hook(before),
+        register_module_forward_hook(after, always_call=True),
+    )
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+        while entered:
+            _, reentry, token = entered.pop()
+            reentry.exit(token)

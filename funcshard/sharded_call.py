@@ -38,7 +38,7 @@ import itertools
 import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -77,6 +77,8 @@ class Binding:
     replicated_slots: tuple[tuple[Slot, str], ...]
     buffer_slots: tuple[tuple[Slot, str], ...]
     module_ids: frozenset[int]  # every module of the model (see funcshard/recompute.py)
+    units_under: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False)
+    # module id -> the units owning a parameter slot under it (filled on first recompute)
 
 
 _BINDINGS: weakref.WeakKeyDictionary[nn.Module, dict[int, Binding]] = weakref.WeakKeyDictionary()
@@ -564,6 +566,22 @@ class _Run:
             return None
         return earlier
 
+    def recompute_params(self, unit: int) -> tuple[Tensor, ...]:
+        """A unit's parameters for a recomputation in backward, regathered if the unit was
+        resharded: fresh leaves (the gradients flow through the first forward's graph) that
+        require grad as the first forward's did, so autograd saves the same tensors."""
+        params = self.params[unit]
+        if params is None:
+            flats = self.backward_gathered(unit)
+            params = tuple(
+                param
+                for i, flat in zip(self.binding.unit_flats[unit], flats, strict=True)
+                for param in param_views(flat, self.layout.flats[i])
+            )
+        flats = self.binding.unit_flats[unit]
+        trainable = any(not self.layout.flats[i].frozen for i in flats)
+        return tuple(p.detach().requires_grad_(trainable) for p in params)
+
     def flush(self) -> None:
         """Report units whose gradients were only partly produced (unused parameters)."""
         for collector in self.collectors:
@@ -592,6 +610,66 @@ class _Run:
         self.post_forward.clear()
         self.full = [None] * len(self.full)
         self.params = [None] * len(self.params)
+
+
+class _Recomputation:
+    """Puts a finished sharded call's tensors back while backward recomputes one of its
+    modules (see [Note: recomputation after funcshard.call]): the units owning parameters
+    under that module (regathered if they were resharded), the replicated tensors, and
+    copies of the buffers the call ended with. Counts what it put in, so nested modules
+    and units shared by several recomputed modules come out once, last."""
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+        self.buffers: dict[str, Tensor] = {}  # the call's buffers when it returned
+        self.holds: dict[int, int] = {}  # unit -> how many entered modules need it
+        self.saved: dict[int, list[tuple[Slot, Tensor]]] = {}  # unit -> what its slots held
+        self.depth = 0
+        self.saved_others: list[tuple[Slot, Tensor]] = []
+
+    def enter(self, module: nn.Module) -> object:
+        binding, run = self.run.binding, self.run
+        if self.depth == 0:
+            others = [s for s, _ in binding.replicated_slots] + [s for s, _ in binding.buffer_slots]
+            self.saved_others = [(slot, _get_slot(slot)) for slot in others]
+            for slot, fqn in binding.replicated_slots:
+                _set_slot(slot, run.state.replicated[fqn])
+            for slot, fqn in binding.buffer_slots:
+                _set_slot(slot, self.buffers[fqn].detach().clone())
+        self.depth += 1
+        units = self._units_under(module)
+        for unit in units:
+            self.holds[unit] = self.holds.get(unit, 0) + 1
+            if self.holds[unit] == 1:
+                params = run.recompute_params(unit)
+                slots = binding.param_slots[unit]
+                self.saved[unit] = [(slot, _get_slot(slot)) for slot, _, _ in slots]
+                for slot, index, _ in slots:
+                    _set_slot(slot, params[index])
+        return units
+
+    def exit(self, token: object) -> None:
+        for unit in token:  # type: ignore[attr-defined]
+            self.holds[unit] -= 1
+            if self.holds[unit] == 0:
+                del self.holds[unit]
+                _restore_slots(self.saved.pop(unit))
+        self.depth -= 1
+        if self.depth == 0:
+            _restore_slots(self.saved_others)
+            self.saved_others = []
+
+    def _units_under(self, module: nn.Module) -> tuple[int, ...]:
+        binding = self.run.binding
+        units = binding.units_under.get(id(module))
+        if units is None:
+            ids = {id(m) for m in module.modules()}
+            units = binding.units_under[id(module)] = tuple(
+                u
+                for u, slots in enumerate(binding.param_slots)
+                if any(id(slot.module) in ids for slot, _, _ in slots)
+            )
+        return units
 
 
 def _successors(order: list[int]) -> dict[int, int]:
@@ -670,10 +748,12 @@ def _eager_call(
             if run.reshard
             else contextlib.nullcontext()
         )
-        with saved, recompute.calling(binding.module_ids):
+        recomputation = _Recomputation(run)
+        with saved, recompute.calling(binding.module_ids, recomputation):
             target = model if method == "forward" else getattr(model, method)
             out = target(*args, **kwargs)
         new_buffers = {fqn: _get_slot(slot) for slot, fqn in binding.buffer_slots}
+        recomputation.buffers = new_buffers
     finally:
         for handle in hooks:
             handle.remove()
