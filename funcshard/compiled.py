@@ -15,8 +15,9 @@ transforms are written as data flow instead:
   HSDP or DDP mesh, all-reduce across replicas, both averaging);
 - the gathered buffers are cut into parameter views and the model runs on them through the
   params-dict path (`funcshard.module.call`);
-- `value_and_grad` makes the trainable shards leaves and asks `torch.autograd.grad` for
-  their gradients, which arrive already reduced to this rank's shard of the mean.
+- `value_and_grad` makes leaves of the trainable shards, hands `f` the state with those
+  leaves beside its shards (`_Differentiated`), and asks `torch.autograd.grad` for their
+  gradients, which arrive already reduced to this rank's shard of the mean.
 
 So the units' compute is traced with the shards as graph inputs, the collectives are
 graph nodes (torch's functional collectives), and the compiled step is one graph; the
@@ -24,7 +25,16 @@ optimizer update, when traced in the same function, joins it. `torch.autograd.gr
 traced only with `torch._dynamo.config.trace_autograd_ops = True` (off by default in
 torch); without it dynamo breaks the graph there once per step, and everything still
 works. Eager runs never take this path: `torch.compiler.is_dynamo_compiling()` is a
-constant False outside dynamo.
+constant False outside dynamo. A traced `call` on a plain state with grad enabled (a
+compiled loss inside an eager value_and_grad) runs the eager call instead: only that lets
+the eager recorder see its units.
+
+The price: each unit is gathered once and its buffers live until their last use in
+backward, so a compiled step holds the whole model gathered at its peak
+(`reshard_after_forward` and `offload` do not apply), where the eager step holds a few
+units. Recomputing the gathers in backward (SimpleFSDP's activation-checkpoint tags) is
+not done: torch's rematerialization of tagged nodes in a traced forward-loss-backward
+graph did not take here, since backward reads the parameters through untagged views.
 """
 
 from __future__ import annotations
