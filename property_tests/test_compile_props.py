@@ -1,0 +1,57 @@
+"""torch.compile of value_and_grad, fuzzed: for a random module tree, plan and mesh, the
+compiled gradient step is one graph and computes what the eager step computes."""
+
+import functools
+import warnings
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import funcshard as fs
+from funcshard import testing
+from funcshard.testing import strategies
+
+
+def _loss(model, state, x, target):
+    return (fs.call(model, state, x) - target).square().mean()
+
+
+def _compiled_and_eager(case, mesh_shape, seed: int, rank: int) -> tuple:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch._dynamo.config.trace_autograd_ops = True
+    model = case.spec.build().eval()  # eval: BatchNorm uses its running stats
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frozen and trainable mixed in a unit only warn
+        plan = fs.plan(model, **case.kwargs(model))
+    state = fs.shard(model, plan, mesh_shape.build())
+    x = case.spec.example_input(2, seed=seed + rank)
+    target = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed - rank))
+    step = fs.value_and_grad(functools.partial(_loss, model))
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(state, x, target)
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    torch._dynamo.reset()
+    return compiled, step(state, x, target), breaks
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    case=strategies.plans(),
+    mesh=strategies.meshes(world_sizes=(2, 4)),
+    seed=st.integers(1, 2**20),
+)
+def test_a_compiled_gradient_step_equals_the_eager_one(case, mesh, seed):
+    results = testing.run(
+        functools.partial(_compiled_and_eager, case, mesh, seed), mesh.world_size, timeout=240
+    )
+    for compiled, eager, breaks in results:
+        assert breaks == {}
+        (compiled_leaves, compiled_spec), (eager_leaves, eager_spec) = map(
+            torch.utils._pytree.tree_flatten, (compiled, eager)
+        )
+        assert compiled_spec == eager_spec
+        for a, b in zip(compiled_leaves, eager_leaves, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
