@@ -318,13 +318,15 @@ def _grads_with_and_without_checkpointing(kind: str, rank: int) -> list:
                 for block in model.blocks:
                     block.__class__ = CheckpointedBlock
             x, y = random_tokens(model.cfg, 2, seed=rank)
-            reshard = kind == "gpt"
+            reshard = kind != "gpt keep gathered"
+            mp = fs.MixedPrecision(torch.bfloat16, torch.float32) if kind == "gpt bf16" else None
+            mesh = fs.Mesh(replicate=2, shard=2) if kind == "gpt hsdp" else fs.Mesh(shard=2)
             plan = fs.plan(model, policy=fs.policy.module_classes({Block, CheckpointedBlock}))
-            params = fs.shard(model, plan, fs.Mesh(shard=2), reshard_after_forward=reshard)
+            params = fs.shard(model, plan, mesh, mp=mp, reshard_after_forward=reshard)
 
             def loss(p, x=x, y=y, model=model):
                 logits = fs.call(model, p, x)
-                return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         else:
             model = Checkpointed(checkpoint)
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
@@ -345,9 +347,13 @@ def _grads_with_and_without_checkpointing(kind: str, rank: int) -> list:
     return list(zip(*results, strict=True))
 
 
-@pytest.mark.parametrize("kind", ["fsdp", "ddp", "dict", "gpt", "gpt keep gathered"])
+@pytest.mark.parametrize(
+    "kind", ["fsdp", "ddp", "dict", "gpt", "gpt keep gathered", "gpt bf16", "gpt hsdp"]
+)
 def test_modules_recomputed_in_backward_get_the_calls_tensors_back(kind):
-    for pairs in testing.run(functools.partial(_grads_with_and_without_checkpointing, kind)):
+    world = 4 if kind == "gpt hsdp" else 2
+    task = functools.partial(_grads_with_and_without_checkpointing, kind)
+    for pairs in testing.run(task, world):
         for with_checkpoint, without in pairs:
             torch.testing.assert_close(with_checkpoint, without, rtol=1e-6, atol=1e-7)
 
