@@ -18,7 +18,9 @@ finds its tensors already in place (the call counts what it put in, so only the 
 takes them out). The recomputed values equal the first forward's, so
 the gradients are the ones an unchecked run gives. Recomputation that itself goes through
 `funcshard.call` (a checkpointed function calling `fs.call(block, params, h)`) puts its
-own tensors in place, as any call does.
+own tensors in place, as any call does. Not covered: a checkpointed function that reads a
+parameter directly (not through a module's forward) starts no module, so it still reads the
+module's own tensor.
 """
 
 from __future__ import annotations

@@ -305,6 +305,21 @@ class CheckpointedBlock(Block):
         return torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False)
 
 
+class CheckpointedStack(GPT):
+    """A GPT whose blocks are recomputed in backward together, by one checkpointed function."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+
+        def blocks(x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+        x = torch.utils.checkpoint.checkpoint(blocks, x, use_reentrant=False)
+        return self.head(self.ln_f(x)) * self.cfg.d_model**-0.5
+
+
 def _grads_with_and_without_checkpointing(kind: str, rank: int) -> list:
     """The gradients of one step of a model whose layers are recomputed in backward, and of
     the same model computing them once: each (with, without) pair of leaves."""
@@ -314,7 +329,9 @@ def _grads_with_and_without_checkpointing(kind: str, rank: int) -> list:
         if kind.startswith("gpt"):
             with torch.device("meta"):
                 model = GPT(GPTConfig(n_layer=2))
-            if checkpoint:
+            if checkpoint and kind == "gpt spanning":
+                model.__class__ = CheckpointedStack
+            elif checkpoint:
                 for block in model.blocks:
                     block.__class__ = CheckpointedBlock
             x, y = random_tokens(model.cfg, 2, seed=rank)
@@ -348,7 +365,8 @@ def _grads_with_and_without_checkpointing(kind: str, rank: int) -> list:
 
 
 @pytest.mark.parametrize(
-    "kind", ["fsdp", "ddp", "dict", "gpt", "gpt keep gathered", "gpt bf16", "gpt hsdp"]
+    "kind",
+    ["fsdp", "ddp", "dict", "gpt", "gpt keep gathered", "gpt bf16", "gpt hsdp", "gpt spanning"],
 )
 def test_modules_recomputed_in_backward_get_the_calls_tensors_back(kind):
     world = 4 if kind == "gpt hsdp" else 2
