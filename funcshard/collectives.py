@@ -7,7 +7,9 @@ through the wrappers that return AsyncCollectiveTensor subclasses: eagerly on gl
 op returns at once with the collective in flight and `wait_tensor` blocks on it, so a
 `Pending` is an asynchronous handle; under `make_fx` or torch.compile the same calls become
 graph nodes. Callers issue a collective early and `wait()` where they need its result, and
-never learn which of the two is running.
+never learn which of the two is running. A whole step under torch.compile
+(funcshard/compiled.py) uses `gathered`, `reduced_scattered` and `all_reduced`: the same ops,
+waited at once, since the compiler places the waits.
 
 A size-1 group communicates nothing: gathering or reducing over it returns the input, which
 is how one code path serves FSDP (shard axis > 1), DDP (shard axis 1) and HSDP.

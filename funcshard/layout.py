@@ -115,9 +115,9 @@ def frozen_ranges(flat: FlatLayout, start: int = 0, end: int | None = None) -> l
 
 def param_views(buffer: torch.Tensor, flat: FlatLayout) -> tuple[torch.Tensor, ...]:
     """The parameters a full (padded_numel,) buffer of `flat` holds, as views, in flat order."""
-    # (dynamo traces the uncached function: it warns about lru_cache wrappers it skips)
-    sizes = _split_sizes.__wrapped__(flat) if torch.compiler.is_dynamo_compiling() else None
-    pieces = buffer.split(sizes or _split_sizes(flat))  # padding, if any, is left out by zip
+    # dynamo is given the uncached function: it warns about the lru_cache wrappers it skips
+    split_sizes = _split_sizes.__wrapped__ if torch.compiler.is_dynamo_compiling() else _split_sizes
+    pieces = buffer.split(split_sizes(flat))  # the padding piece, if any, is left out by zip
     return tuple(p.view(shape) for p, shape in zip(pieces, flat.shapes, strict=False))
 
 
