@@ -697,14 +697,11 @@ def call(
             model, params, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
         )
     state = params
-    if compiled.tracing():
-        if compiled.differentiating(state) or not torch.is_grad_enabled():
-            return compiled.call(model, state, args, kwargs, buffers, mutable, method)
-        # a compiled function called by an eager value_and_grad (or whose caller may take
-        # gradients some other way): only the eager call lets that recorder see its units
-        return _eager_call(
-            model, state, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
-        )
+    traced = compiled.tracing() and (compiled.differentiating(state) or not torch.is_grad_enabled())
+    if traced:
+        return compiled.call(model, state, args, kwargs, buffers, mutable, method)
+    # Eagerly: also when dynamo traces a plain state with grad enabled (a compiled loss
+    # inside an eager value_and_grad), since only the eager call reaches its recorder.
     return _eager_call(
         model, state, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
     )
