@@ -29,6 +29,7 @@ import contextlib
 import contextvars
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -50,8 +51,19 @@ class Reentry(Protocol):
         """Put back what was in place before `enter`."""
 
 
-_RAN: contextvars.ContextVar[dict[int, Reentry] | None] = contextvars.ContextVar(
-    "funcshard_modules_ran", default=None
+@dataclass(frozen=True)
+class _Call:
+    """One differentiated call: its model's modules, the autograd sequence numbers of the
+    nodes it created ([start, end)), and how to put its tensors back."""
+
+    module_ids: frozenset[int]
+    start: int
+    end: int
+    reentry: Reentry
+
+
+_RAN: contextvars.ContextVar[list[_Call] | None] = contextvars.ContextVar(
+    "funcshard_calls_ran", default=None
 )
 _INSIDE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
     "funcshard_modules_inside_call", default=frozenset()
@@ -66,14 +78,15 @@ def calling(module_ids: frozenset[int], reentry: Reentry) -> Iterator[None]:
     if torch.compiler.is_dynamo_compiling():
         yield
         return
-    ran = _RAN.get()
-    if ran is not None:
-        ran.update(dict.fromkeys(module_ids, reentry))
+    ran = _RAN.get() if torch.is_grad_enabled() else None  # no graph, nothing to recompute
+    start = torch._C._autograd._get_sequence_nr()
     token = _INSIDE.set(_INSIDE.get() | module_ids)
     try:
         yield
     finally:
         _INSIDE.reset(token)
+    if ran is not None:
+        ran.append(_Call(module_ids, start, torch._C._autograd._get_sequence_nr(), reentry))
 
 
 def refuse_reentrant_checkpoint(where: str) -> None:
@@ -98,9 +111,9 @@ def refuse_reentrant_checkpoint(where: str) -> None:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[dict[int, Reentry]]:
-    """Collect the modules that differentiated calls run inside the block, with their calls."""
-    token = _RAN.set({})
+def recording() -> Iterator[list[_Call]]:
+    """Collect the differentiated calls made inside the block."""
+    token = _RAN.set([])
     try:
         yield _RAN.get()
     finally:
@@ -108,19 +121,21 @@ def recording() -> Iterator[dict[int, Reentry]]:
 
 
 @contextlib.contextmanager
-def recomputing(ran: dict[int, Reentry]) -> Iterator[None]:
-    """During the block (a backward pass), a module of `ran` that runs again outside a call
-    gets its call's tensors back for the length of its forward."""
+def recomputing(ran: list[_Call]) -> Iterator[None]:
+    """During the block (a backward pass), a module of a call in `ran` that runs again
+    outside any call gets that call's tensors back for the length of its forward."""
     if not ran:
         yield
         return
     entered: list[tuple[nn.Module, Reentry, object]] = []
 
     def before(module: nn.Module, args: object) -> None:
-        reentry = ran.get(id(module))
-        if reentry is None or id(module) in _INSIDE.get():
+        if id(module) in _INSIDE.get():
             return
-        entered.append((module, reentry, reentry.enter(module)))
+        calls = [c for c in ran if id(module) in c.module_ids]
+        if calls:
+            reentry = _the_call_recomputed(module, calls).reentry
+            entered.append((module, reentry, reentry.enter(module)))
 
     def after(module: nn.Module, args: object, output: object) -> None:
         if entered and entered[-1][0] is module:
@@ -139,3 +154,21 @@ def recomputing(ran: dict[int, Reentry]) -> Iterator[None]:
         while entered:
             _, reentry, token = entered.pop()
             reentry.exit(token)
+
+
+def _the_call_recomputed(module: nn.Module, calls: list[_Call]) -> _Call:
+    """Of the calls that ran `module`, the one whose graph backward is in: autograd
+    recomputes a checkpointed region while running one of the nodes it created."""
+    if len(calls) == 1:
+        return calls[0]
+    node = torch._C._current_autograd_node()
+    number = node._sequence_nr() if node is not None else -1
+    found = [c for c in calls if c.start <= number < c.end]
+    if len(found) != 1:
+        raise RuntimeError(
+            f"funcshard.value_and_grad: a {type(module).__name__} is recomputed in backward "
+            f"(activation checkpointing) and {len(calls)} calls of its model ran in this "
+            f"step; funcshard cannot tell which call's tensors it needs. Checkpoint a "
+            f"function that itself calls funcshard.call, or call the model once per step."
+        )
+    return found[0]

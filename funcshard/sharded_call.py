@@ -464,6 +464,8 @@ class _Run:
         if unit in self.binding.whole_call:
             return
         self._swap_out(unit)
+        if not self.reshard and self.recorder is not None and torch.is_grad_enabled():
+            return  # kept gathered through backward (autograd holds its views anyway)
         if self.post_forward_k is not None and self.recorder is not None:
             self.post_forward[unit] = self._slices(self.full[unit] or ())
         self._forget(unit)
@@ -629,6 +631,9 @@ class _Recomputation:
 
     def enter(self, module: nn.Module) -> object:
         binding, run = self.run.binding, self.run
+        units = self._units_under(module)
+        # everything that can fail (regathering) first, so a failure leaves no slot changed
+        fresh = {u: run.recompute_params(u) for u in units if u not in self.holds}
         if self.depth == 0:
             others = [s for s, _ in binding.replicated_slots] + [s for s, _ in binding.buffer_slots]
             self.saved_others = [(slot, _get_slot(slot)) for slot in others]
@@ -637,15 +642,13 @@ class _Recomputation:
             for slot, fqn in binding.buffer_slots:
                 _set_slot(slot, self.buffers[fqn].detach().clone())
         self.depth += 1
-        units = self._units_under(module)
         for unit in units:
             self.holds[unit] = self.holds.get(unit, 0) + 1
-            if self.holds[unit] == 1:
-                params = run.recompute_params(unit)
-                slots = binding.param_slots[unit]
-                self.saved[unit] = [(slot, _get_slot(slot)) for slot, _, _ in slots]
-                for slot, index, _ in slots:
-                    _set_slot(slot, params[index])
+        for unit, params in fresh.items():
+            slots = binding.param_slots[unit]
+            self.saved[unit] = [(slot, _get_slot(slot)) for slot, _, _ in slots]
+            for slot, index, _ in slots:
+                _set_slot(slot, params[index])
         return units
 
     def exit(self, token: object) -> None:

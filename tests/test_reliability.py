@@ -322,8 +322,9 @@ class CheckpointedStack(GPT):
 
 def _grads_with_and_without_checkpointing(kind: str, rank: int) -> list:
     """The gradients of one step of a model whose layers are recomputed in backward, and of
-    the same model computing them once: each (with, without) pair of leaves."""
-    results = []
+    the same model computing them once: each (with, without) pair of leaves, and how many
+    all-gathers each ran."""
+    results, gathers = [], []
     for checkpoint in (True, False):
         torch.manual_seed(0)
         if kind.startswith("gpt"):
@@ -360,8 +361,11 @@ def _grads_with_and_without_checkpointing(kind: str, rank: int) -> list:
             def loss(p, x=x, model=model):
                 return fs.call(model, p, x)
 
-        results.append(torch.utils._pytree.tree_leaves(fs.value_and_grad(loss)(params)))
-    return list(zip(*results, strict=True))
+        with collectives.record() as log:
+            grads = fs.value_and_grad(loss)(params)
+        results.append(torch.utils._pytree.tree_leaves(grads))
+        gathers.append(sum(r.op == "all_gather" for r in log))
+    return list(zip(*results, strict=True)), gathers
 
 
 @pytest.mark.parametrize(
@@ -371,7 +375,75 @@ def _grads_with_and_without_checkpointing(kind: str, rank: int) -> list:
 def test_modules_recomputed_in_backward_get_the_calls_tensors_back(kind):
     world = 4 if kind == "gpt hsdp" else 2
     task = functools.partial(_grads_with_and_without_checkpointing, kind)
-    for pairs in testing.run(task, world):
+    for pairs, gathers in testing.run(task, world):
+        for with_checkpoint, without in pairs:
+            torch.testing.assert_close(with_checkpoint, without, rtol=1e-6, atol=1e-7)
+        # a recomputed unit is regathered only where backward regathers it anyway
+        assert gathers[0] == gathers[1]
+
+
+class Scaled(nn.Module):
+    """A linear layer whose output is scaled by a buffer (read while it is recomputed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.linear(x) * self.scale).tanh()
+
+
+class CheckpointedScaled(nn.Module):
+    """Three `Scaled` layers, each recomputed in backward when `checkpoint` is set."""
+
+    def __init__(self, checkpoint: bool) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.layers = nn.ModuleList(Scaled() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        return x.square().mean()
+
+
+def _two_calls_per_step(case: str, kind: str, rank: int) -> list:
+    """Gradients with and without checkpointing of a loss that calls the model twice: the
+    recomputation must use the tensors of the call whose graph it serves."""
+    results = []
+    for checkpoint in (True, False):
+        torch.manual_seed(0)
+        model = CheckpointedScaled(checkpoint)
+        params, _ = fs.extract(model)
+        if kind == "fsdp":
+            plan = fs.plan(model, policy=fs.policy.module_classes({Scaled}))
+            params = fs.shard(model, plan, fs.Mesh(shard=2))
+            teacher = fs.reshard(params, {k: v * 3 for k, v in fs.unshard(params).items()})
+        else:
+            params = {k: v.detach().requires_grad_() for k, v in params.items()}
+            teacher = {k: v.detach() * 3 for k, v in params.items()}
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+
+        def loss(p, x=x, model=model, teacher=teacher):
+            if case == "other buffers":
+                other = {f"layers.{i}.scale": 5 * x[0, i] for i in range(3)}
+                return fs.call(model, p, x) + fs.call(model, p, x, buffers=other)
+            with torch.no_grad():
+                target = fs.call(model, teacher, x)
+            return (fs.call(model, p, x) - target).square()
+
+        results.append(torch.utils._pytree.tree_leaves(fs.value_and_grad(loss)(params)))
+    return list(zip(*results, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "dict"])
+@pytest.mark.parametrize("case", ["other buffers", "teacher without grad"])
+def test_a_recomputed_module_gets_the_tensors_of_the_call_it_belongs_to(case, kind):
+    for pairs in testing.run(functools.partial(_two_calls_per_step, case, kind)):
         for with_checkpoint, without in pairs:
             torch.testing.assert_close(with_checkpoint, without, rtol=1e-6, atol=1e-7)
 
