@@ -8,8 +8,10 @@ runs, and puts the module's own back when it returns. Activation checkpointing
 after the call returned: left alone it would read the module's own weights and the
 gradients would be silently wrong (on a meta-built model, an obscure meta-device error).
 
-So every differentiated call registers, for each module of its model, a `Reentry`: how to
-put that call's tensors back into the model. During `value_and_grad`'s backward a global
+So every differentiated call registers a `Reentry`: how to put that call's tensors back
+into its model, with the range of autograd sequence numbers of the nodes it created (when a
+step calls one model twice, e.g. with other buffers, a recomputation belongs to the call
+that created the backward node running it). During `value_and_grad`'s backward a global
 module pre-hook watches: when a module of such a call starts outside any call, the call's
 tensors go back in (for a sharded call: the units owning parameters under that module,
 regathered if they were resharded, plus the state's replicated tensors and copies of its
