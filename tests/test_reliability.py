@@ -274,14 +274,25 @@ def test_a_rank_killed_mid_step_makes_the_survivor_raise_naming_the_collective()
 # -- activation checkpointing inside funcshard.call ------------------------------------------
 
 
+class Scaled(nn.Module):
+    """A linear layer whose output is scaled by a buffer (read while it is recomputed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.linear(x) * self.scale).tanh()
+
+
 class Checkpointed(nn.Module):
-    """Recomputes each layer in backward (torch.utils.checkpoint) when `checkpoint` is set."""
+    """Three `Scaled` layers, each recomputed in backward when `checkpoint` is set."""
 
     def __init__(self, checkpoint: bool = True) -> None:
         super().__init__()
         self.checkpoint = checkpoint
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-        self.register_buffer("scale", torch.tensor(2.0))
+        self.layers = nn.ModuleList(Scaled() for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -289,7 +300,6 @@ class Checkpointed(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
             else:
                 x = layer(x)
-            x = (x * self.scale).tanh()
         return x.square().mean()
 
 
@@ -382,42 +392,13 @@ def test_modules_recomputed_in_backward_get_the_calls_tensors_back(kind):
         assert gathers[0] == gathers[1]
 
 
-class Scaled(nn.Module):
-    """A linear layer whose output is scaled by a buffer (read while it is recomputed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-        self.register_buffer("scale", torch.tensor(2.0))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.linear(x) * self.scale).tanh()
-
-
-class CheckpointedScaled(nn.Module):
-    """Three `Scaled` layers, each recomputed in backward when `checkpoint` is set."""
-
-    def __init__(self, checkpoint: bool) -> None:
-        super().__init__()
-        self.checkpoint = checkpoint
-        self.layers = nn.ModuleList(Scaled() for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            if self.checkpoint:
-                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
-            else:
-                x = layer(x)
-        return x.square().mean()
-
-
 def _two_calls_per_step(case: str, kind: str, rank: int) -> list:
     """Gradients with and without checkpointing of a loss that calls the model twice: the
     recomputation must use the tensors of the call whose graph it serves."""
     results = []
     for checkpoint in (True, False):
         torch.manual_seed(0)
-        model = CheckpointedScaled(checkpoint)
+        model = Checkpointed(checkpoint)
         params, _ = fs.extract(model)
         if kind == "fsdp":
             plan = fs.plan(model, policy=fs.policy.module_classes({Scaled}))
