@@ -11,18 +11,15 @@ from hypothesis import strategies as st
 import funcshard as fs
 from funcshard import testing
 from funcshard.testing import strategies
+from funcshard.testing.dynamo import isolated
 
 
 def _loss(model, state, x, target):
     return (fs.call(model, state, x) - target).square().mean()
 
 
+@isolated()
 def _compiled_and_eager(case, mesh_shape, seed: int, rank: int) -> tuple:
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    torch._dynamo.config.trace_autograd_ops = True
     model = case.spec.build().eval()  # eval: BatchNorm uses its running stats
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frozen and trainable mixed in a unit only warn
@@ -33,7 +30,6 @@ def _compiled_and_eager(case, mesh_shape, seed: int, rank: int) -> tuple:
     step = fs.value_and_grad(functools.partial(_loss, model))
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(state, x, target)
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
-    torch._dynamo.reset()
     return compiled, step(state, x, target), breaks
 
 

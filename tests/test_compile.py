@@ -17,6 +17,7 @@ from torch import nn
 
 import funcshard as fs
 from funcshard import testing
+from funcshard.testing.dynamo import isolated
 from funcshard.testing.models import GPT, Block, ConvNet, GPTConfig, random_tokens
 
 MESHES = {
@@ -28,15 +29,6 @@ MESHES = {
 
 def _gpt_loss(model, state, x, y):
     return F.cross_entropy(fs.call(model, state, x).flatten(0, 1), y.flatten())
-
-
-def _fresh_dynamo(trace_autograd_ops: bool = True) -> None:
-    """Forget what earlier calls in this worker compiled, and count from zero."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    torch._dynamo.config.trace_autograd_ops = trace_autograd_ops
 
 
 def _graph_breaks() -> dict[str, int]:
@@ -55,8 +47,8 @@ def _clone(tree):
     return torch.utils._pytree.tree_map(lambda t: None if t is None else t.clone(), tree)
 
 
+@isolated()
 def _train(mesh_kwargs: dict, optimizer: str, rank: int) -> dict:
-    _fresh_dynamo()
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2))
     state = fs.shard(
@@ -116,9 +108,9 @@ def test_a_compiled_adamw_step_matches_the_eager_step():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@isolated()
 def _grads_both_ways(variant: str, rank: int) -> tuple:
     """One value_and_grad, compiled and eager, for a variant of the model or its options."""
-    _fresh_dynamo()
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2))
     mesh, options, mp, units, frozen = {"shard": 2}, {}, None, {Block}, "error"
@@ -163,8 +155,8 @@ def test_compiled_gradients_equal_eager_ones(variant):
         _assert_trees_close(compiled, eager)
 
 
+@isolated()
 def _batch_norm_step(rank: int) -> tuple:
-    _fresh_dynamo()
     torch.manual_seed(0)
     model = ConvNet().train()
     state = fs.shard(model, fs.plan(model), fs.Mesh(shard=2))
@@ -187,8 +179,8 @@ def test_a_compiled_step_returns_updated_buffers_and_leaves_the_states_alone():
         assert not torch.equal(moved, before["features.1.running_mean"])
 
 
+@isolated(trace_autograd_ops=False)
 def _without_trace_autograd_ops(rank: int) -> tuple:
-    _fresh_dynamo(trace_autograd_ops=False)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2))
     state = fs.shard(model, fs.plan(model), fs.Mesh(shard=2))
@@ -196,7 +188,6 @@ def _without_trace_autograd_ops(rank: int) -> tuple:
     value_and_grad = fs.value_and_grad(functools.partial(_gpt_loss, model))
     compiled = torch.compile(value_and_grad, backend="aot_eager")(state, x, y)
     breaks = _graph_breaks()
-    _fresh_dynamo()
     return compiled, value_and_grad(state, x, y), breaks
 
 
@@ -206,9 +197,9 @@ def test_without_trace_autograd_ops_it_still_works_breaking_only_at_autograd_gra
         assert [b.split(" with")[0] for b in breaks] == ["using `torch.autograd.grad`"], breaks
 
 
+@isolated()
 def _other_transforms(what: str, rank: int) -> tuple:
     """A function of other funcshard transforms, compiled and eager."""
-    _fresh_dynamo()
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2))
     plan = fs.plan(model, policy=fs.policy.module_classes({Block}))
@@ -248,9 +239,9 @@ def test_other_transforms_compile_into_one_graph_too(what):
         _assert_trees_close(compiled, eager)
 
 
+@isolated()
 def _edge_case(case: str, rank: int) -> tuple:
     """A value_and_grad where compiling could change the answer, compiled and eager."""
-    _fresh_dynamo()
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2))
     state = fs.shard(
@@ -309,11 +300,11 @@ class _CheckpointedBlock(Block):
         return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
 
 
+@isolated(trace_autograd_ops=False)
 def _checkpointed_blocks_compiled(rank: int) -> tuple:
     # torch's rematerialization in a traced forward-loss-backward graph refuses RNG ops in
     # recomputed regions (CPU attention counts as one), so this runs in dynamo's default
     # mode: the backward left to AOTAutograd's joint graph, one break at autograd.grad
-    _fresh_dynamo(trace_autograd_ops=False)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2))
     state = fs.shard(
@@ -326,7 +317,6 @@ def _checkpointed_blocks_compiled(rank: int) -> tuple:
     compiled = torch.compile(step, backend="aot_eager")(state, x, y)
     for block in model.blocks:
         block.__class__ = Block
-    _fresh_dynamo()
     return compiled, step(state, x, y)
 
 

@@ -64,11 +64,13 @@ def test_without_prefetch_one_block_at_a_time_is_gathered():
 
 
 def _live_tensor_bytes() -> int:
+    """Bytes of every real tensor alive in this process (not subclasses such as the fake
+    tensors a compile on this worker may have left for the collector)."""
     gc.collect()
     return sum(
         o.untyped_storage().nbytes()
         for o in gc.get_objects()
-        if isinstance(o, torch.Tensor) and not o.is_meta
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and not o.is_meta
     )
 
 
