@@ -52,7 +52,7 @@ def value_and_grad(
 
     @functools.wraps(f, updated=())  # (merging f.__dict__ is untraceable for a partial)
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if isinstance(params, ShardedState) and compiled.tracing():
+        if isinstance(params, ShardedState) and torch.compiler.is_dynamo_compiling():
             (loss, aux), grads = compiled.value_and_grad(
                 f, has_aux, reduce, all_reduce, params, args, kwargs, _split
             )

@@ -55,11 +55,6 @@ from funcshard.state import LocalGrads, ShardedGrads, ShardedState
 from funcshard.tree import register_record
 
 
-def tracing() -> bool:
-    """Whether dynamo is tracing the code that asks (constant-folded by dynamo itself)."""
-    return torch.compiler.is_dynamo_compiling()
-
-
 class _GatherReduce(torch.autograd.Function):
     """Forward: one flat buffer gathered from this rank's shard. Backward: its gradient
     reduced back to this rank's shard, the mean over the data-parallel ranks (over the shard
@@ -194,7 +189,7 @@ def value_and_grad(
         None if flat.frozen else x.detach().requires_grad_()
         for x, flat in zip(inputs, layout.flats, strict=True)
     )
-    traced = _Differentiated(
+    traced = _Differentiated(  # (field by field: dynamo cannot trace dataclasses.fields)
         shards=state.shards,
         replicated=state.replicated,
         buffers=state.buffers,

@@ -700,17 +700,16 @@ def call(
             model, params, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
         )
     state = params
-    traced = compiled.tracing() and (compiled.differentiating(state) or not torch.is_grad_enabled())
-    if traced:
-        return compiled.call(model, state, args, kwargs, buffers, mutable, method)
-    # Eagerly: also when dynamo traces a plain state with grad enabled (a compiled loss
-    # inside an eager value_and_grad), since only the eager call reaches its recorder.
-    return _eager_call(
-        model, state, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
-    )
+    eager = _eager_call
+    if torch.compiler.is_dynamo_compiling():
+        if compiled.differentiating(state) or not torch.is_grad_enabled():
+            return compiled.call(model, state, args, kwargs, buffers, mutable, method)
+        # a plain state with grad enabled (a compiled loss inside an eager value_and_grad):
+        # only the eager call reaches that recorder, so dynamo leaves it to Python
+        eager = _eager_call_untraced
+    return eager(model, state, *args, buffers=buffers, mutable=mutable, method=method, **kwargs)
 
 
-@torch._dynamo.disable
 def _eager_call(
     model: nn.Module,
     state: ShardedState,
@@ -769,6 +768,9 @@ def _eager_call(
         run.params = [None] * len(run.params)
     out = cast_outputs(state.mp, out)
     return (out, new_buffers) if mutable else out
+
+
+_eager_call_untraced = torch._dynamo.disable(_eager_call)
 
 
 def _install_hooks(binding: Binding, run: _Run) -> list[Any]:
