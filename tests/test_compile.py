@@ -17,6 +17,7 @@ from torch import nn
 
 import funcshard as fs
 from funcshard import testing
+from funcshard.testing.compare import assert_trees_close
 from funcshard.testing.dynamo import isolated
 from funcshard.testing.models import GPT, Block, ConvNet, GPTConfig, random_tokens
 
@@ -33,14 +34,6 @@ def _gpt_loss(model, state, x, y):
 
 def _graph_breaks() -> dict[str, int]:
     return dict(torch._dynamo.utils.counters["graph_break"])
-
-
-def _assert_trees_close(a, b) -> None:
-    """The same tree structure (None where the other has None) and leaves within 1e-5."""
-    (la, sa), (lb, sb) = map(torch.utils._pytree.tree_flatten, (a, b))
-    assert sa == sb
-    for x, y in zip(la, lb, strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
 def _clone(tree):
@@ -152,7 +145,7 @@ def test_compiled_gradients_equal_eager_ones(variant):
         assert breaks == {}
         assert type(compiled[1]) is type(eager[1])
         # None (frozen) where eager has None, the same numbers everywhere else
-        _assert_trees_close(compiled, eager)
+        assert_trees_close(compiled, eager)
 
 
 @isolated()
@@ -174,7 +167,7 @@ def _batch_norm_step(rank: int) -> tuple:
 
 def test_a_compiled_step_returns_updated_buffers_and_leaves_the_states_alone():
     for compiled, eager, before in testing.run(_batch_norm_step, 2, timeout=240):
-        _assert_trees_close(compiled, eager)
+        assert_trees_close(compiled, eager)
         moved = compiled[0][1]["features.1.running_mean"]
         assert not torch.equal(moved, before["features.1.running_mean"])
 
@@ -193,7 +186,7 @@ def _without_trace_autograd_ops(rank: int) -> tuple:
 
 def test_without_trace_autograd_ops_it_still_works_breaking_only_at_autograd_grad():
     for compiled, eager, breaks in testing.run(_without_trace_autograd_ops, 2, timeout=240):
-        _assert_trees_close(compiled, eager)
+        assert_trees_close(compiled, eager)
         assert [b.split(" with")[0] for b in breaks] == ["using `torch.autograd.grad`"], breaks
 
 
@@ -236,7 +229,7 @@ def test_other_transforms_compile_into_one_graph_too(what):
         functools.partial(_other_transforms, what), 2, timeout=240
     ):
         assert breaks == {}
-        _assert_trees_close(compiled, eager)
+        assert_trees_close(compiled, eager)
 
 
 @isolated()
@@ -290,7 +283,7 @@ def _edge_case(case: str, rank: int) -> tuple:
 )
 def test_compiling_does_not_change_the_answer_at_the_edges(case):
     for compiled, eager in testing.run(functools.partial(_edge_case, case), 2, timeout=240):
-        _assert_trees_close(compiled, eager)
+        assert_trees_close(compiled, eager)
         grads = torch.utils._pytree.tree_leaves(compiled[1])
         assert any(g.abs().sum() > 0 for g in grads) == (case != "no grad")
 
@@ -322,4 +315,4 @@ def _checkpointed_blocks_compiled(rank: int) -> tuple:
 
 def test_checkpointed_blocks_in_a_compiled_step_give_the_unchecked_gradients():
     for compiled, eager in testing.run(_checkpointed_blocks_compiled, 2, timeout=240):
-        _assert_trees_close(compiled, eager)
+        assert_trees_close(compiled, eager)
