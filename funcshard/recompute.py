@@ -81,7 +81,7 @@ def calling(module_ids: frozenset[int], reentry: Reentry) -> Iterator[None]:
         yield
         return
     ran = _RAN.get() if torch.is_grad_enabled() else None  # no graph, nothing to recompute
-    start = torch._C._autograd._get_sequence_nr()
+    start = torch._C._autograd._get_sequence_nr() if ran is not None else 0
     token = _INSIDE.set(_INSIDE.get() | module_ids)
     try:
         yield
