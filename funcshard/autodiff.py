@@ -1,9 +1,10 @@
 """Differentiate a loss with respect to a sharded state (or a plain params dict).
 
-`value_and_grad(f)(state, batch)` runs `f` with every sharded call recording its units'
-gradients (see [Note: per-unit gathering]): each unit's reduce-scatter starts the moment
-autograd finishes that unit and overlaps the rest of backward; all of them are waited on
-before the grads are returned, shaped like the state's shards.
+`value_and_grad(f)(state, batch)` is `torch.autograd.grad` of `f`'s loss with respect to the
+state's shards: every sharded call gathers through the differentiable gather, whose backward
+is the reduce (see [Note: one differentiable gather]), so the gradients arrive reduced to
+this rank's shard of the mean, each unit's reduce-scatter overlapping the rest of backward.
+Eager and traced steps run this same code.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import optree
 import torch
 from torch import Tensor
 
-from funcshard import collectives, compiled, finite, recompute
+from funcshard import finite, gather, recompute
 from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
-from funcshard.sharded_call import GradRecorder, Prefetch, recording
+from funcshard.sharded_call import Prefetch
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState
 
 
@@ -52,14 +53,11 @@ def value_and_grad(
 
     @functools.wraps(f, updated=())  # (merging f.__dict__ is untraceable for a partial)
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if isinstance(params, ShardedState) and torch.compiler.is_dynamo_compiling():
-            (loss, aux), grads = compiled.value_and_grad(
-                f, has_aux, reduce, all_reduce, params, args, kwargs, _split
+        if isinstance(params, ShardedState):
+            reduction = "none" if not reduce else "mean" if all_reduce else "shard"
+            value, grads = _sharded_value_and_grad(
+                f, has_aux, params, reduction, prefetch, args, kwargs
             )
-            value = _value(loss, aux, has_aux)
-        elif isinstance(params, ShardedState):
-            recorder = GradRecorder(params, reduce, all_reduce, prefetch)
-            value, grads = _sharded_value_and_grad(f, has_aux, recorder, args, kwargs)
         elif isinstance(params, Mapping):
             value, grads = _dict_value_and_grad(f, has_aux, params, args, kwargs)
         else:
@@ -107,68 +105,77 @@ def _value(loss: Tensor, aux: Any, has_aux: bool) -> Any:
     )
 
 
-def _sharded_value_and_grad(f, has_aux, recorder, args, kwargs):
-    state = recorder.state
-    try:
-        with recording(recorder), recompute.recording() as ran:
-            loss, aux = _split(f(state, *args, **kwargs), has_aux, "value_and_grad")
-        if recorder.leaves and loss.requires_grad:
-            with recompute.recomputing(ran):
-                torch.autograd.backward(loss, inputs=recorder.leaves)
-        for run in recorder.runs:
-            run.flush()
-    finally:
-        for run in recorder.runs:
-            run.finish()
-        recorder.leaves.clear()
-        recorder.runs.clear()
-    grads = _finish(recorder)
-    return _value(loss, aux, has_aux), grads
-
-
-def _finish(recorder: GradRecorder) -> ShardedGrads | LocalGrads:
-    """Wait for every reduce-scatter and assemble the grads (zeros for unused units)."""
-    state = recorder.state
+def _sharded_value_and_grad(f, has_aux, state, reduction, prefetch, args, kwargs):
     layout = state.layout
     mesh = layout.mesh
-    if not recorder.reduce:
-        grads: dict[str, Tensor | None] = {}
-        for flat, local in zip(layout.flats, recorder.local, strict=True):
-            if flat.frozen:
-                grads.update(dict.fromkeys(flat.fqns))
-                continue
-            if local is None:
-                local = torch.zeros(
-                    flat.padded_numel, dtype=reduce_dtype(state.mp, flat), device=mesh.device
-                )
-            grads.update(zip(flat.fqns, param_views(local, flat), strict=True))
-        return LocalGrads(grads=grads, layout=layout)
-    summed: list[Tensor | None] = []
-    for flat, pending in zip(layout.flats, recorder.pending, strict=True):
-        if flat.frozen:
-            summed.append(None)
-            continue
-        parts = [p.wait() for p in pending]
-        if not parts:
-            parts = [
-                torch.zeros(
-                    flat.shard_numel, dtype=reduce_dtype(state.mp, flat), device=mesh.device
-                )
-            ]
-        summed.append(functools.reduce(torch.add, parts))
-    if recorder.all_reduce:  # across replicas, unless a bucket did so already in backward
-        across = [
-            None
-            if s is None or done
-            else collectives.all_reduce(s, mesh.replicate_group, "avg", what=flat.unit)
-            for s, done, flat in zip(summed, recorder.all_reduced, layout.flats, strict=True)
-        ]
-        summed = [s if p is None else p.wait() for s, p in zip(summed, across, strict=True)]
-    shards = tuple(
-        None if s is None else s.to(flat.dtype)
-        for s, flat in zip(summed, layout.flats, strict=True)
+    if reduction == "none":  # the gradients go to full-size sinks: see funcshard.gather
+        shards = tuple(s.detach() for s in state.shards)
+        sinks = tuple(
+            None if flat.frozen else _sink(flat.padded_numel, reduce_dtype(state.mp, flat), mesh)
+            for flat in layout.flats
+        )
+        targets = sinks
+    else:
+        shards = tuple(
+            s.detach() if flat.frozen else s.detach().requires_grad_()
+            for s, flat in zip(state.shards, layout.flats, strict=True)
+        )
+        sinks = None
+        targets = tuple(
+            None if flat.frozen else s for s, flat in zip(shards, layout.flats, strict=True)
+        )
+    differentiated = gather.Differentiated(  # (field by field: dynamo cannot trace fields())
+        shards=shards,
+        replicated=state.replicated,
+        buffers=state.buffers,
+        layout=layout,
+        mp=state.mp,
+        reshard_after_forward=state.reshard_after_forward,
+        offload=state.offload,
+        reduction=reduction,
+        sinks=sinks,
+        prefetch=prefetch,
     )
-    return ShardedGrads(shards=shards, layout=layout)
+    with recompute.recording() as ran:
+        loss, aux = _split(f(differentiated, *args, **kwargs), has_aux, "value_and_grad")
+    wanted = [t for t in targets if t is not None]
+    with recompute.recomputing(ran):
+        found = iter(
+            torch.autograd.grad(loss, wanted, allow_unused=True)
+            if wanted and loss.requires_grad
+            else [None] * len(wanted)
+        )
+    grads = [
+        None if t is None else _or_zeros(next(found), t, flat, state.mp)
+        for t, flat in zip(targets, layout.flats, strict=True)
+    ]
+    if reduction != "none":
+        reduced = tuple(
+            None if g is None else g.to(flat.dtype)
+            for g, flat in zip(grads, layout.flats, strict=True)
+        )
+        return _value(loss, aux, has_aux), ShardedGrads(shards=reduced, layout=layout)
+    local: dict[str, Tensor | None] = {}
+    for g, flat in zip(grads, layout.flats, strict=True):
+        if g is None:
+            local.update(dict.fromkeys(flat.fqns))
+        else:
+            local.update(zip(flat.fqns, param_views(g, flat), strict=True))
+    return _value(loss, aux, has_aux), LocalGrads(grads=local, layout=layout)
+
+
+def _sink(numel: int, dtype: torch.dtype, mesh: Any) -> Tensor:
+    """A full-size gradient target that holds one element (a zero-stride expand)."""
+    if torch.compiler.is_dynamo_compiling():
+        return torch.zeros(numel, dtype=dtype, device=mesh.device).requires_grad_()
+    return torch.zeros(1, dtype=dtype, device=mesh.device).expand(numel).requires_grad_()
+
+
+def _or_zeros(grad: Tensor | None, target: Tensor, flat: Any, mp: Any) -> Tensor:
+    """A unit that took no part in the loss gets zeros, in its reduced gradient's dtype."""
+    if grad is not None:
+        return grad
+    return torch.zeros(target.shape, dtype=reduce_dtype(mp, flat), device=target.device)
 
 
 def _dict_value_and_grad(f, has_aux, params, args, kwargs):

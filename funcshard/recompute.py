@@ -114,7 +114,11 @@ def refuse_reentrant_checkpoint(where: str) -> None:
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[_Call]]:
-    """Collect the differentiated calls made inside the block."""
+    """Collect the differentiated calls made inside the block (none while dynamo traces:
+    recomputation then happens inside the traced graph)."""
+    if torch.compiler.is_dynamo_compiling():
+        yield []
+        return
     token = _RAN.set([])
     try:
         yield _RAN.get()

@@ -2,52 +2,46 @@
 
 [Note: per-unit gathering]
 `call(model, state, ...)` installs a forward pre-hook and post-hook on every unit's module for
-the duration of the call. The pre-hook waits for the unit's all-gather (issued earlier as a
-prefetch, or now), swaps views of the gathered flat buffers into the module's parameter slots,
-and issues the next unit's all-gather so it overlaps this unit's compute. The post-hook swaps
-meta placeholders back in and drops the gathered buffers. The root unit, and any unit whose
+the duration of the call. The pre-hook gathers the unit through `funcshard.gather.gather` (the
+differentiable gather, see [Note: one differentiable gather]; its all-gathers were usually
+issued earlier, as a prefetch), swaps the parameters into the module's slots, and issues the
+next unit's all-gathers so they overlap this unit's compute. The post-hook swaps meta
+placeholders back in and drops the gathered buffers. The root unit, and any unit whose
 parameters are also used from outside its own module (a tied weight across units), stay
 gathered for the whole call. Outside its unit's forward a parameter slot holds a meta
 placeholder, so code that touches it there fails loudly instead of reading stale values.
 
-Differentiation: inside `funcshard.value_and_grad`, the moment a unit's whole gradient is
-known, it is concatenated and its reduce-scatter (or, over a size-1 shard axis, its
-all-reduce) is issued asynchronously; the step waits for all of them at the end. So
-reduction overlaps the rest of backward, and no half-reduced tensor is handed to autograd.
-Two kinds of unit learn "whole gradient known" differently, because autograd runs ready
-nodes newest first. A unit gathered at its module's forward passes its parameters through
-`_Gather`, one identity node of a zero-size per-call *anchor*, created at that forward, so
-autograd runs it right after the unit's backward. A unit gathered for the whole call (the
-root, DDP buckets) would get its node before any op and run last; its parameters are leaf
-tensors with post-accumulate-grad hooks instead (the hooks DDP reduces from), which autograd
-runs as soon as each gradient is complete. Hooks cost ~50 us each to register, so only those
-units pay it.
+Differentiation is autograd's own: each gather is an autograd node whose backward reduces, so
+the call is a differentiable function of `state.shards`. Autograd runs ready nodes newest
+first, so a unit's gather node, created at its module's forward, runs (and starts its
+reduce-scatter) right after the unit's backward; a whole-call unit's node runs at the end.
 
 Resharding after forward: while the model runs, `saved_tensors_hooks` replaces every tensor
 autograd saves from a gathered buffer with a small handle (unit, buffer, view geometry). In
 backward the first unpack of a unit regathers it (prefetching the unit that ran before it in
-forward) and the regathered buffer is dropped once the unit's reduce-scatter is issued. With
-`reshard_after_forward=False` the saved views are kept as they are.
+forward), and the regathered buffer is dropped when the unit's gather node is about to run
+(a node pre-hook): its backward reads no parameter. With `reshard_after_forward=False` the
+saved views are kept as they are. torch.func refuses saved-tensor hooks, so under its
+transforms units stay gathered through backward (a one-time warning says so).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import itertools
-import math
+import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from funcshard import collectives, compiled, recompute
-from funcshard.layout import Layout, frozen_ranges, param_views
+from funcshard import collectives, compiled, gather, recompute
+from funcshard.layout import Layout, param_views
 from funcshard.module import call as call_on_dict
-from funcshard.precision import cast_inputs, cast_outputs, gather_dtype, reduce_dtype
+from funcshard.precision import cast_inputs, cast_outputs
 from funcshard.state import ShardedState, ensure_live
 from funcshard.tree import format_names, join_fqn
 
@@ -207,128 +201,6 @@ class Prefetch:
     backward: tuple[str, ...] | None = None
 
 
-class GradRecorder:
-    """Collects, during one differentiated call, each unit's gradient as it is produced.
-
-    `funcshard.value_and_grad` makes one per step; see [Note: per-unit gathering].
-    """
-
-    def __init__(
-        self,
-        state: ShardedState,
-        reduce: bool,
-        all_reduce: bool,
-        prefetch: bool | Prefetch = True,
-    ) -> None:
-        self.state = state
-        self.prefetch = prefetch
-        self.reduce = reduce
-        self.all_reduce = all_reduce
-        self.leaves: list[Tensor] = []  # anchors and parameter leaves, for autograd.backward
-        self.runs: list[_Run] = []
-        self.pending: list[list[collectives.Pending]] = [[] for _ in state.layout.flats]
-        self.local: list[Tensor | None] = [None] * len(state.layout.flats)
-        self.in_flight: collectives.Pending | None = None
-        self.all_reduced = [False] * len(state.layout.flats)
-
-    def on_grad(self, flat_indices: tuple[int, ...], grads: tuple[Tensor | None, ...]) -> None:
-        """A unit's full-buffer gradients are complete: start reducing them (or keep them)."""
-        layout = self.state.layout
-        for i, grad in zip(flat_indices, grads, strict=True):
-            flat = layout.flats[i]
-            if grad is None or flat.frozen:
-                continue
-            grad = grad.to(reduce_dtype(self.state.mp, flat))
-            for frozen in frozen_ranges(flat) if flat.frozen_fqns else ():
-                grad[frozen] = 0  # frozen members of a trainable unit (plan(frozen="warn"))
-            if not self.reduce:
-                self.local[i] = grad if self.local[i] is None else self.local[i] + grad
-            elif layout.mesh.shard_size == 1:
-                # DDP: nothing to scatter; the bucket's all-reduce starts now, in place in the
-                # buffer we own, overlapping the rest of backward (HSDP does it in `_finish`)
-                mesh = layout.mesh
-                if mesh.replicate_size > 1 and self.all_reduce:
-                    self.pending[i].append(
-                        collectives.all_reduce(
-                            grad, mesh.replicate_group, "avg", inplace=True, what=flat.unit
-                        )
-                    )
-                    self.all_reduced[i] = True
-                else:
-                    self.pending[i].append(collectives.Pending(grad, done=True))
-            else:
-                # One reduce-scatter in flight at a time: waiting for the previous one frees
-                # its full-size input, so backward never holds every unit's full gradients.
-                if self.in_flight is not None:
-                    self.in_flight.wait()
-                self.in_flight = collectives.reduce_scatter(
-                    grad, layout.mesh.shard_group, "avg", what=flat.unit
-                )
-                self.pending[i].append(self.in_flight)
-
-
-class _Gather(torch.autograd.Function):
-    """Identity on a unit's gathered parameters whose backward reports their gradients.
-
-    Taking the parameters one by one (not the flat buffers they view) gives backward one
-    gradient per parameter, which `_Run.on_grad` concatenates once; slicing a flat buffer
-    would make autograd build and sum a full-size gradient per parameter instead.
-    """
-
-    @staticmethod
-    def forward(ctx, anchor, run, unit, *params):
-        ctx.run, ctx.unit = run, unit
-        return params
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.run.on_grad(ctx.unit, grads)
-        return (torch.zeros(0), None, None, *([None] * len(grads)))
-
-
-class _Collector:
-    """Gathers one gathering of a unit's parameter gradients as autograd accumulates them."""
-
-    def __init__(self, run: _Run, unit: int, count: int) -> None:
-        self.run, self.unit = run, unit
-        self.grads: list[Tensor | None] = [None] * count
-        self.missing = count
-
-    def hook(self, index: int) -> Callable[[Tensor], None]:
-        def on_accumulated(param: Tensor) -> None:
-            self.grads[index], param.grad = param.grad, None
-            self.missing -= 1
-            if self.missing == 0:
-                self._report()
-
-        return on_accumulated
-
-    def flush(self) -> None:
-        """After backward: a unit some of whose parameters got no gradient reports zeros."""
-        if 0 < self.missing < len(self.grads):
-            self.missing = 0
-            self._report()
-
-    def _report(self) -> None:
-        grads, self.grads = tuple(self.grads), []  # hand them on; keep nothing full-size
-        self.run.on_grad(self.unit, grads)
-
-
-_RECORDER: contextvars.ContextVar[GradRecorder | None] = contextvars.ContextVar(
-    "funcshard_grad_recorder", default=None
-)
-
-
-@contextlib.contextmanager
-def recording(recorder: GradRecorder) -> Iterator[None]:
-    """Make `recorder` collect the gradients of every sharded call inside the block."""
-    token = _RECORDER.set(recorder)
-    try:
-        yield
-    finally:
-        _RECORDER.reset(token)
-
-
 class _Handle:
     """What autograd keeps instead of a view into a resharded unit's gathered buffer."""
 
@@ -346,31 +218,54 @@ class _Handle:
 class _Run:
     """The life of one sharded call: what is gathered, in flight, and in what order units ran."""
 
-    def __init__(self, binding: Binding, state: ShardedState, recorder: GradRecorder | None):
+    def __init__(self, binding: Binding, state: ShardedState):
         self.binding = binding
         self.state = state
-        self.recorder = recorder
-        layout = state.layout
-        self.full: list[tuple[Tensor, ...] | None] = [None] * len(binding.unit_names)
-        self.params: list[tuple[Tensor, ...] | None] = [None] * len(binding.unit_names)
+        layout = self.layout = state.layout
+        options = state if isinstance(state, gather.Differentiated) else None
+        reduction = options.reduction if options is not None else "mean"
+        sinks = options.sinks if options is not None else None
+        self.specs = _specs(layout, state.mp, reduction)
+        grad = torch.is_grad_enabled()
+        # torch.func's transforms refuse saved-tensor hooks and wrap the shards they see
+        self.functorch = any(_is_functorch(s) for s in state.shards)
+        self.sinks = sinks if sinks is not None else (None,) * len(layout.flats)
+        self.differentiable = tuple(
+            grad and not flat.frozen and (s.requires_grad or sink is not None)
+            for s, sink, flat in zip(state.shards, self.sinks, layout.flats, strict=True)
+        )
+        self.deferred = tuple(
+            d and reduction != "none" and not self.functorch and s.requires_grad
+            for d, s in zip(self.differentiable, state.shards, strict=True)
+        )
+        # the wait nodes come first, before any compute: see [Note: one differentiable gather]
+        self.inputs = tuple(
+            gather.defer_wait(s, spec) if deferred else s
+            for s, spec, deferred in zip(state.shards, self.specs, self.deferred, strict=True)
+        )
+        n_units = len(binding.unit_names)
+        self.full: list[tuple[Tensor | None, ...] | None] = [None] * n_units
+        self.params: list[tuple[Tensor, ...] | None] = [None] * n_units
         self.pending: dict[int, tuple[collectives.Pending, ...]] = {}
         self.order: list[int] = []
-        self.owner_of: dict[int, tuple[int, int]] = {}  # id of a parameter leaf or flat buffer
-        # -> (unit, flat index): how the saved-tensor hook recognizes gathered parameters
-        self.collectors: list[_Collector] = []
-        self.hook_handles: list[Any] = []
+        self.owner_of: dict[int, tuple[int, int]] = {}  # id of a gathered flat buffer ->
+        # (unit, flat index): how the saved-tensor hook recognizes gathered parameters
         self.backward_full: dict[int, tuple[Tensor, ...]] = {}
-        self.finished: set[int] = set()  # units whose gradients are reported
+        self.finished: set[int] = set()  # units whose gather nodes ran in backward
+        self.unfinished: dict[int, int] = {}  # unit -> gather nodes still to run
         # nothing to free on a size-1 shard axis, where the "gathered" buffers are the shards
         # themselves (unless mixed precision or offload made them copies)
-        copies = state.layout.mesh.shard > 1 or state.mp is not None or state.offload
-        self.reshard = state.reshard_after_forward is not False and copies
+        copies = layout.mesh.shard > 1 or state.mp is not None or state.offload
+        reshard = state.reshard_after_forward is not False and copies
+        if reshard and self.functorch and any(self.differentiable):
+            _warn_kept_gathered()
+        self.reshard = reshard and not self.functorch
+        self.saves = self.reshard and any(self.differentiable)
         k = state.reshard_after_forward
         self.post_forward_k = k if not isinstance(k, bool) and k < layout.mesh.shard_size else None
         self.post_forward: dict[int, tuple[Tensor, ...]] = {}  # unit -> this rank's 1/k slices
-        self.layout = layout
-        prefetch = recorder.prefetch if recorder is not None else True
-        self.prefetch = prefetch is not False
+        prefetch = options.prefetch if options is not None else True
+        self.prefetch = prefetch is not False and not self.functorch
         explicit = prefetch if isinstance(prefetch, Prefetch) else Prefetch()
         forward = self._units_named(explicit.forward) if explicit.forward is not None else None
         self.forward_next = _successors(forward or self._sharded_units())
@@ -393,61 +288,58 @@ class _Run:
         return [u for u in range(len(self.binding.unit_names)) if u not in self.binding.whole_call]
 
     def issue(self, unit: int) -> None:
-        """Start the all-gathers of a unit's flat buffers, unless already gathered or started."""
-        if self.full[unit] is not None or unit in self.pending:
+        """Start the all-gathers of a unit's flat buffers, unless already gathered or started
+        (under torch.func each is gathered inside its op instead: no prefetch)."""
+        if self.full[unit] is not None or unit in self.pending or self.functorch:
             return
-        layout, group = self.layout, self.layout.mesh.shard_group
         self.pending[unit] = tuple(
-            collectives.all_gather(
-                self.state.shards[i].to(
-                    layout.mesh.device, gather_dtype(self.state.mp, layout.flats[i])
-                ),
-                group,
-                what=layout.flats[i].unit,
-            )
+            gather.issue_gather(self.state.shards[i], self.specs[i])
             for i in self.binding.unit_flats[unit]
         )
 
     def gathered(self, unit: int) -> tuple[Tensor, ...]:
-        """A unit's parameters, waiting for its buffers (issuing them if needed); they are
-        leaves reporting their gradients when gradients are being recorded."""
+        """A unit's parameters, waiting for its all-gathers (issuing them if needed)."""
         if self.params[unit] is None:
+            flats = self.binding.unit_flats[unit]
             self.issue(unit)
-            flats = tuple(p.wait() for p in self.pending.pop(unit))
-            params = tuple(
-                param
-                for i, flat in zip(self.binding.unit_flats[unit], flats, strict=True)
-                for param in param_views(flat, self.layout.flats[i])
-            )
-            trainable = any(not self.layout.flats[i].frozen for i in self.binding.unit_flats[unit])
-            recording = self.recorder is not None and trainable and torch.is_grad_enabled()
-            if recording and unit in self.binding.whole_call:
-                params = tuple(p.detach().requires_grad_() for p in params)
-                self._collect(unit, params)
-            else:
-                if recording:
-                    anchor = torch.zeros(0, requires_grad=True)
-                    self.recorder.leaves.append(anchor)
-                    params = _Gather.apply(anchor, self, unit, *params)
-                for flat_index, flat in zip(self.binding.unit_flats[unit], flats, strict=True):
-                    self.owner_of[id(flat)] = (unit, flat_index)
-            self.full[unit] = flats
-            self.params[unit] = params
+            sources = self.pending.pop(unit, (None,) * len(flats))
+            params: list[Tensor] = []
+            fulls = []
+            for i, source in zip(flats, sources, strict=True):
+                views = self._gather(i, source)
+                full = gather.gathered_buffer(views)
+                if full is not None:
+                    self.owner_of[id(full)] = (unit, i)
+                if self.saves and self.differentiable[i]:
+                    self._release_when_reduced(unit, views)
+                params.extend(views)
+                fulls.append(full)
+            self.full[unit] = tuple(fulls)
+            self.params[unit] = tuple(params)
         return self.params[unit]
 
-    def _collect(self, unit: int, params: tuple[Tensor, ...]) -> None:
-        """Make a unit's leaves report their gradients (see [Note: per-unit gathering])."""
-        assert self.recorder is not None
-        collector = _Collector(self, unit, len(params))
-        self.collectors.append(collector)
-        self.recorder.leaves.extend(params)
-        for index, (param, (flat_index, _)) in enumerate(
-            zip(params, self.binding.unit_params[unit], strict=True)
-        ):
-            self.hook_handles.append(
-                param.register_post_accumulate_grad_hook(collector.hook(index))
-            )
-            self.owner_of[id(param)] = (unit, flat_index)
+    def _gather(self, i: int, source: collectives.Pending | None) -> tuple[Tensor, ...]:
+        spec = self.specs[i]
+        if self.differentiable[i]:
+            return gather.gather(self.inputs[i], spec, source, self.sinks[i], self.deferred[i])
+        if source is None:
+            source = gather.issue_gather(self.state.shards[i], spec)
+        return param_views(source.wait(), spec.flat)
+
+    def _release_when_reduced(self, unit: int, views: tuple[Tensor, ...]) -> None:
+        """Drop a unit's regathered buffers when its gather nodes run in backward."""
+        run = weakref.ref(self)  # the graph must not keep the run (and its buffers) alive
+        self.unfinished[unit] = self.unfinished.get(unit, 0) + 1
+
+        def reduced(grads: object) -> None:
+            alive = run()
+            if alive is not None:
+                alive.unfinished[unit] -= 1
+                if alive.unfinished[unit] == 0:
+                    alive.finished.add(unit)
+                    alive.backward_full.pop(unit, None)
+
+        views[0].grad_fn.register_prehook(reduced)
 
     def enter(self, unit: int) -> None:
         """A unit's module is about to run: put its parameters in place, prefetch the next."""
@@ -459,29 +351,33 @@ class _Run:
         for slot, index, _ in self.binding.param_slots[unit]:
             _set_slot(slot, params[index])
 
+    def differentiates(self, unit: int) -> bool:
+        return any(self.differentiable[i] for i in self.binding.unit_flats[unit])
+
     def leave(self, unit: int) -> None:
         """A unit's module has run: release its parameters until backward needs them."""
         if unit in self.binding.whole_call:
             return
         self._swap_out(unit)
-        if not self.reshard and self.recorder is not None and torch.is_grad_enabled():
+        differentiates = self.differentiates(unit)
+        if differentiates and not self.reshard:
             return  # kept gathered through backward (autograd holds its views anyway)
-        if self.post_forward_k is not None and self.recorder is not None:
+        if differentiates and self.post_forward_k is not None:
             self.post_forward[unit] = self._slices(self.full[unit] or ())
         self._forget(unit)
         self.full[unit] = None
         self.params[unit] = None
 
-    def _slices(self, flats: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    def _slices(self, flats: tuple[Tensor | None, ...]) -> tuple[Tensor, ...]:
         """This rank's 1/k of each gathered buffer, kept between forward and backward."""
         k = self.post_forward_k
         assert k is not None
         index = self.layout.mesh.shard_rank % k
-        return tuple(f.detach().chunk(k)[index].clone() for f in flats)
+        return tuple(f.detach().chunk(k)[index].clone() for f in flats if f is not None)
 
     def _forget(self, unit: int) -> None:
-        """Stop recognizing a released unit's tensors: their ids may be reused."""
-        for tensor in (*(self.full[unit] or ()), *(self.params[unit] or ())):
+        """Stop recognizing a released unit's buffers: their ids may be reused."""
+        for tensor in self.full[unit] or ():
             self.owner_of.pop(id(tensor), None)
 
     def _swap_out(self, unit: int) -> None:
@@ -489,30 +385,8 @@ class _Run:
         for slot, _, placeholder in self.binding.param_slots[unit]:
             _set_slot(slot, placeholder)
 
-    def on_grad(self, unit: int, grads: tuple[Tensor | None, ...]) -> None:
-        """Autograd finished a unit's gradients: hand them on and drop its regathered copy."""
-        assert self.recorder is not None  # collectors only exist under a recorder
-        flat_grads = []
-        for i in self.binding.unit_flats[unit]:
-            flat = self.layout.flats[i]
-            pieces = [
-                torch.zeros(math.prod(shape), dtype=gather_dtype(self.state.mp, flat))
-                if g is None
-                else g.reshape(-1)
-                for (j, shape), g in zip(self.binding.unit_params[unit], grads, strict=True)
-                if j == i
-            ]
-            if flat.padded_numel > flat.numel:
-                pieces.append(pieces[0].new_zeros(flat.padded_numel - flat.numel))
-            flat_grads.append(torch.cat(pieces))
-        self.recorder.on_grad(self.binding.unit_flats[unit], tuple(flat_grads))
-        self.finished.add(unit)
-        self.backward_full.pop(unit, None)
-
     # saved-tensor hooks: see [Note: per-unit gathering]
     def pack(self, tensor: Tensor) -> Any:
-        if not self.reshard:
-            return tensor
         owner = self.owner_of.get(id(tensor if tensor._base is None else tensor._base))
         if owner is None or owner[0] in self.binding.whole_call:
             return tensor  # not a gathered buffer, or one kept for the whole step
@@ -528,7 +402,7 @@ class _Run:
         return flat.as_strided(packed.size, packed.stride, packed.offset)
 
     def full_dtype(self, flat_index: int) -> torch.dtype:
-        return gather_dtype(self.state.mp, self.layout.flats[flat_index])
+        return self.specs[flat_index].gather_dtype
 
     def backward_gathered(self, unit: int) -> tuple[Tensor, ...]:
         """Regather a unit in backward, prefetching the one that ran before it in forward."""
@@ -584,11 +458,6 @@ class _Run:
         trainable = any(not self.layout.flats[i].frozen for i in flats)
         return tuple(p.detach().requires_grad_(trainable) for p in params)
 
-    def flush(self) -> None:
-        """Report units whose gradients were only partly produced (unused parameters)."""
-        for collector in self.collectors:
-            collector.flush()
-
     def drain(self) -> None:
         """Wait for gathers nobody used (a prefetch past the last unit): every rank issued them."""
         for pending in self.pending.values():
@@ -596,22 +465,39 @@ class _Run:
                 p.wait()
         self.pending.clear()
 
-    def finish(self) -> None:
-        """Wait for any prefetch nobody used, drop every gathered buffer, and unhook the leaves.
+    def after_call(self) -> None:
+        """Keep only what backward needs: the whole-call units when resharding, every
+        gathered unit when not (autograd holds their views anyway), nothing without grad."""
+        keep = [
+            self.differentiates(u) and (not self.reshard or u in self.binding.whole_call)
+            for u in range(len(self.full))
+        ]
+        self.full = [f if k else None for f, k in zip(self.full, keep, strict=True)]
+        self.params = [p if k else None for p, k in zip(self.params, keep, strict=True)]
 
-        The hooks close a cycle (leaf -> hook -> collector -> run -> leaves) through C++,
-        where Python's garbage collector cannot see it: it must be cut by hand, or every step
-        would leak its gathered buffers."""
-        for handle in self.hook_handles:
-            handle.remove()
-        self.hook_handles.clear()
-        self.collectors.clear()
-        self.owner_of.clear()
-        self.drain()
-        self.backward_full.clear()
-        self.post_forward.clear()
-        self.full = [None] * len(self.full)
-        self.params = [None] * len(self.params)
+
+def _specs(layout: Layout, mp: Any, reduction: str) -> tuple[gather.GatherSpec, ...]:
+    return tuple(gather.GatherSpec(flat, layout.mesh, mp, reduction) for flat in layout.flats)
+
+
+def _is_functorch(tensor: Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
+_warned_kept_gathered = False
+
+
+def _warn_kept_gathered() -> None:
+    global _warned_kept_gathered
+    if not _warned_kept_gathered:
+        _warned_kept_gathered = True
+        warnings.warn(
+            "funcshard.call under a torch.func transform: units stay gathered from their "
+            "forward through backward (torch.func refuses the saved-tensor hooks that "
+            "reshard_after_forward regathers with), so this step holds more memory than "
+            "fs.value_and_grad or torch.autograd.grad would. Shown once.",
+            stacklevel=4,
+        )
 
 
 class _Recomputation:
@@ -700,14 +586,11 @@ def call(
             model, params, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
         )
     state = params
-    eager = _eager_call
     if torch.compiler.is_dynamo_compiling():
-        if compiled.differentiating(state) or not torch.is_grad_enabled():
-            return compiled.call(model, state, args, kwargs, buffers, mutable, method)
-        # a plain state with grad enabled (a compiled loss inside an eager value_and_grad):
-        # only the eager call reaches that recorder, so dynamo leaves it to Python
-        eager = _eager_call_untraced
-    return eager(model, state, *args, buffers=buffers, mutable=mutable, method=method, **kwargs)
+        return compiled.call(model, state, args, kwargs, buffers, mutable, method)
+    return _eager_call(
+        model, state, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
+    )
 
 
 def _eager_call(
@@ -719,13 +602,12 @@ def _eager_call(
     method: str,
     **kwargs: Any,
 ) -> Any:
-    """`call` on a sharded state, eagerly (dynamo leaves it to Python; see [Note: per-unit
-    gathering])."""
+    """`call` on a sharded state, eagerly (see [Note: per-unit gathering])."""
     ensure_live(state, "call")
     binding = bind(model, state.layout)
-    run = _Run(binding, state, _RECORDER.get())
-    if run.recorder is not None and not torch.is_grad_enabled():
+    if isinstance(state, gather.Differentiated) and not torch.is_grad_enabled():
         recompute.refuse_reentrant_checkpoint("call")
+    run = _Run(binding, state)
     new_buffers = {
         k: v.clone() for k, v in (buffers if buffers is not None else state.buffers).items()
     }
@@ -744,7 +626,7 @@ def _eager_call(
                 run._swap_out(unit)
         saved = (
             torch.autograd.graph.saved_tensors_hooks(run.pack, run.unpack)
-            if run.reshard
+            if run.saves
             else contextlib.nullcontext()
         )
         recomputation = _Recomputation(run)
@@ -758,19 +640,9 @@ def _eager_call(
             handle.remove()
         _restore_slots(originals)
         run.drain()
-    if run.recorder is not None and torch.is_grad_enabled():
-        run.recorder.runs.append(run)
-        if run.reshard:  # autograd keeps handles; only whole-call units stay gathered
-            run.full = [f if u in binding.whole_call else None for u, f in enumerate(run.full)]
-            run.params = [p if u in binding.whole_call else None for u, p in enumerate(run.params)]
-    else:
-        run.full = [None] * len(run.full)
-        run.params = [None] * len(run.params)
+    run.after_call()
     out = cast_outputs(state.mp, out)
     return (out, new_buffers) if mutable else out
-
-
-_eager_call_untraced = torch._dynamo.disable(_eager_call)
 
 
 def _install_hooks(binding: Binding, run: _Run) -> list[Any]:

@@ -1,0 +1,308 @@
+"""The differentiable gather: a sharded buffer's parameters as one autograd op whose backward
+is the reduce.
+
+[Note: one differentiable gather]
+`gather(shard, ...)` returns the parameters one flat buffer holds, gathered from every rank's
+shard; its backward is `funcshard.reduce` of their gradient: cast to the reduce dtype, frozen
+members zeroed, a mean reduce-scatter over the shard axis and (on HSDP and DDP meshes) a mean
+all-reduce across replicas, as JAX's all_gather transposes to psum_scatter. So `fs.call` on a
+state is an ordinary differentiable function of `state.shards`, and `torch.autograd.grad`,
+`torch.func` and `torch.compile` all see the whole computation; eager and traced steps share
+this one op (`setup_context` style, which torch.func accepts).
+
+Cotangent rule. Cotangents of shard-level tensors (`state.shards`, reduced gradients) are
+true partial derivatives of one global scalar; cotangents of per-rank tensors (gathered
+parameters, activations, a rank's loss) stand for the mean over data-parallel ranks, as
+`fs.grad`'s loss does. Hence the gather's backward is a *mean* reduce-scatter, and the
+backward of that reduce (`_ReduceFlat`, for second order: gradient penalties, MAML steps,
+Hessian-vector products) is a plain all-gather over the shard axis, broadcast across replicas,
+not the exact adjoint, which would divide by the world size a second time. Under this rule a
+rank's scalar made from its local shards (the local dot of an HVP, a weight-decay term)
+counts as its part of a global sum, and one made from activations as its part of a mean.
+
+The op returns the buffer's parameters one by one (views of the gathered buffer made inside
+the op, so autograd tracks no view of it) and its backward concatenates their gradients
+once: slicing a flat output would make autograd build and sum one full-size gradient per
+parameter.
+
+Overlap, eagerly. A first-order backward (no `create_graph`, not traced) issues the reduce
+asynchronously and returns the in-flight result; `defer_wait(shard)`, applied to the shard
+before the gather, is an identity node whose backward waits for it. Autograd runs ready nodes
+newest first, and that wait node is created when the call starts, before any compute, so it
+runs at the end of backward: each reduce overlaps everything backward does after it, and the
+waits come in one fixed order. The collectives are issued in program order by construction:
+autograd's order on one thread is the same on every rank. At most one reduce is in flight
+(`_Throttle`): waiting for the previous one frees its full-size input, so backward never
+holds every unit's full gradient. Second-order and traced backwards reduce synchronously
+through differentiable ops.
+
+`reduction` says what the backward does: "mean" (the default), "shard" (HSDP without the
+all-reduce across replicas) or "none": the unreduced full gradient goes to `sink`, a
+full-size gradient target (`value_and_grad(reduce=False)`), and the shard gets none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from funcshard import collectives
+from funcshard.layout import FlatLayout, frozen_ranges, param_views
+from funcshard.mesh import Mesh
+from funcshard.precision import MixedPrecision, gather_dtype, reduce_dtype
+from funcshard.state import ShardedState
+from funcshard.tree import register_record
+
+
+@dataclass(frozen=True)
+class GatherSpec:
+    """What the gather of one flat buffer needs: where, in what dtypes, and which reduce
+    transposes it."""
+
+    flat: FlatLayout
+    mesh: Mesh
+    mp: MixedPrecision | None
+    reduction: str = "mean"  # "mean" | "shard" | "none"
+
+    @property
+    def across_replicas(self) -> bool:
+        return self.reduction == "mean" and self.mesh.replicate_size > 1
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        return gather_dtype(self.mp, self.flat)
+
+
+@dataclass(frozen=True, eq=False)
+class Differentiated(ShardedState):
+    """The state `funcshard.value_and_grad` hands the function it differentiates: the state
+    itself, plus how its gathers are transposed (`reduction`: "mean", "shard" or "none"),
+    the full-size gradient targets of reduction "none" (`sinks`, None for frozen buffers),
+    and the prefetch orders of its calls."""
+
+    reduction: str = "mean"
+    sinks: tuple[Tensor | None, ...] | None = None
+    prefetch: Any = True
+
+
+register_record(
+    Differentiated,
+    data_fields=("shards", "replicated", "buffers", "sinks"),
+    meta_fields=("layout", "mp", "reshard_after_forward", "offload", "reduction", "prefetch"),
+)
+
+
+def issue_gather(shard: Tensor, spec: GatherSpec) -> collectives.Pending:
+    """Start the all-gather of one buffer (cast to the gather dtype, on the mesh's device),
+    outside autograd: a prefetch whose result `gather` takes as its `source`."""
+    data = shard.detach().to(spec.mesh.device, gather_dtype(spec.mp, spec.flat))
+    return collectives.all_gather(data, spec.mesh.shard_group, what=spec.flat.unit)
+
+
+def gather(
+    shard: Tensor,
+    spec: GatherSpec,
+    source: collectives.Pending | None = None,
+    sink: Tensor | None = None,
+    deferred: bool = False,
+) -> tuple[Tensor, ...]:
+    """The parameters of one flat buffer, gathered differentiably (see [Note: one
+    differentiable gather]). `source` is an all-gather already issued (`issue_gather`);
+    `deferred` says the shard went through `defer_wait`, so backward may reduce
+    asynchronously.
+
+    Communicates: one all-gather over the shard axis (unless `source` is given); backward:
+    one reduce-scatter, plus one all-reduce across replicas.
+    """
+    return _Gather.apply(shard, sink, spec, source, deferred)
+
+
+def gathered_buffer(params: tuple[Tensor, ...]) -> Tensor | None:
+    """The gathered flat buffer a gather's parameters view (None if it returned the shard's
+    own storage, as over a size-1 shard axis without a cast)."""
+    return params[0]._base if params else None
+
+
+class _Gather(torch.autograd.Function):
+    generate_vmap_rule = True  # vmap over a call's inputs meets the op with unbatched shards
+
+    @staticmethod
+    def forward(
+        shard: Tensor,
+        sink: Tensor | None,
+        spec: GatherSpec,
+        source: collectives.Pending | None,
+        deferred: bool,
+    ) -> tuple[Tensor, ...]:
+        assert source is not None or not deferred  # see defer_wait
+        full = source.wait() if source is not None else _all_gather(shard, spec)
+        return param_views(full, spec.flat)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        shard, _, ctx.spec, _, ctx.deferred = inputs
+        ctx.shard_dtype = shard.dtype
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        spec: GatherSpec = ctx.spec
+        full = _concat(grads, spec)
+        if spec.reduction == "none":
+            return None, _prepared(full, spec), None, None, None
+        if ctx.deferred and not torch.is_grad_enabled():
+            return _THROTTLE.issue(_prepared(full, spec), spec), None, None, None, None
+        return reduce(full, spec).to(ctx.shard_dtype), None, None, None, None
+
+
+def _all_gather(shard: Tensor, spec: GatherSpec) -> Tensor:
+    data = shard.to(spec.mesh.device, gather_dtype(spec.mp, spec.flat))
+    if torch.compiler.is_dynamo_compiling():
+        return collectives.gathered(data, spec.mesh.shard_group)
+    return collectives.all_gather(data, spec.mesh.shard_group, what=spec.flat.unit).wait()
+
+
+def _concat(grads: tuple[Tensor | None, ...], spec: GatherSpec) -> Tensor:
+    """One full (padded) flat gradient from the parameters' gradients; None counts as zero."""
+    flat = spec.flat
+    like = next((g for g in grads if g is not None), None)
+    dtype = like.dtype if like is not None else gather_dtype(spec.mp, flat)
+    device = like.device if like is not None else spec.mesh.device
+    pieces = [
+        torch.zeros(numel, dtype=dtype, device=device) if g is None else g.reshape(-1)
+        for g, numel in zip(grads, flat.numels, strict=True)
+    ]
+    if flat.padded_numel > flat.numel:
+        pieces.append(torch.zeros(flat.padded_numel - flat.numel, dtype=dtype, device=device))
+    return torch.cat(pieces)
+
+
+def _prepared(full: Tensor, spec: GatherSpec) -> Tensor:
+    """A full gradient in the reduce dtype with the frozen members of a trainable buffer
+    zeroed (plan(frozen="warn")): what is reduced, or kept unreduced."""
+    grad = full.to(reduce_dtype(spec.mp, spec.flat))
+    ranges = frozen_ranges(spec.flat) if spec.flat.frozen_fqns else ()
+    if ranges:
+        grad = grad.clone() if grad is full else grad
+        for frozen in ranges:
+            grad[frozen] = 0
+    return grad
+
+
+def reduce(full: Tensor, spec: GatherSpec) -> Tensor:
+    """`funcshard.reduce` of one buffer's full gradient, differentiably (in the reduce dtype).
+
+    Communicates: one reduce-scatter over the shard axis, plus one all-reduce across replicas
+    for reduction "mean"; its backward one all-gather."""
+    return _ReduceFlat.apply(_prepared(full, spec), spec)
+
+
+class _ReduceFlat(torch.autograd.Function):
+    """Mean reduce-scatter (and mean all-reduce across replicas); backward: all-gather."""
+
+    @staticmethod
+    def forward(grad: Tensor, spec: GatherSpec) -> Tensor:
+        mesh = spec.mesh
+        grad = collectives.reduced_scattered(grad, mesh.shard_group, "avg")
+        if spec.across_replicas:
+            grad = collectives.all_reduced(grad, mesh.replicate_group, "avg")
+        return grad
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.spec = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
+        return _GatherFlat.apply(grad, ctx.spec), None
+
+
+class _GatherFlat(torch.autograd.Function):
+    """All-gather over the shard axis of a reduced gradient's cotangent; backward: the mean
+    reduce again (see the cotangent rule in [Note: one differentiable gather])."""
+
+    @staticmethod
+    def forward(shard: Tensor, spec: GatherSpec) -> Tensor:
+        return collectives.gathered(shard, spec.mesh.shard_group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.spec = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
+        return _ReduceFlat.apply(grad, ctx.spec), None
+
+
+def defer_wait(shard: Tensor, spec: GatherSpec) -> Tensor:
+    """The shard through an identity node whose backward waits for the asynchronous reduce
+    of its gradient (see [Note: one differentiable gather]): apply it when the call starts.
+
+    Its output is in the reduce dtype, the dtype of the in-flight result the gather's
+    backward hands it (autograd would cast a gradient of another dtype at once, reading it
+    before it lands); a gather fed by it reads its values from an issued `source` instead.
+    """
+    return _DeferWait.apply(shard, spec)
+
+
+class _DeferWait(torch.autograd.Function):
+    @staticmethod
+    def forward(shard: Tensor, spec: GatherSpec) -> Tensor:
+        dtype = reduce_dtype(spec.mp, spec.flat)
+        return shard.view_as(shard) if shard.dtype == dtype else shard.to(dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        shard, ctx.spec = inputs
+        ctx.shard_dtype = shard.dtype
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
+        if torch.is_grad_enabled():
+            return grad.to(ctx.shard_dtype), None  # a synchronous backward reduced already
+        return _THROTTLE.wait(grad, ctx.spec).to(ctx.shard_dtype), None
+
+
+class _Throttle:
+    """Keeps at most one asynchronous reduce in flight: issuing one first finishes the last."""
+
+    def __init__(self) -> None:
+        self.last: tuple[collectives.Pending, Tensor] | None = None  # (reduce, its result)
+
+    def issue(self, grad: Tensor, spec: GatherSpec) -> Tensor:
+        """Start reducing `grad`; return the tensor the result will be in, to be read only
+        after `wait`."""
+        if self.last is not None:
+            self.last[0].wait()
+        mesh, unit = spec.mesh, spec.flat.unit
+        if mesh.shard_size > 1:
+            pending = collectives.reduce_scatter(grad, mesh.shard_group, "avg", what=unit)
+        elif spec.across_replicas:  # DDP: reduce in place in the buffer backward just made
+            pending = collectives.all_reduce(
+                grad, mesh.replicate_group, "avg", inplace=True, what=unit
+            )
+        else:
+            return grad
+        self.last = (pending, pending.result())
+        return self.last[1]
+
+    def wait(self, result: Tensor, spec: GatherSpec) -> Tensor:
+        """The finished reduce of a tensor `issue` returned (all-reduced across replicas now,
+        on an HSDP mesh)."""
+        if self.last is not None and self.last[1] is result:
+            self.last = None
+        mesh, unit = spec.mesh, spec.flat.unit
+        if mesh.shard_size > 1:
+            grad = collectives.wait(result, "reduce_scatter", mesh.shard_group, unit)
+            if spec.across_replicas:
+                grad = collectives.all_reduce(grad, mesh.replicate_group, "avg", what=unit).wait()
+            return grad
+        if spec.across_replicas:
+            return collectives.wait(result, "all_reduce", mesh.replicate_group, unit)
+        return result
+
+
+_THROTTLE = _Throttle()
