@@ -123,14 +123,6 @@ class Pending:
         return self._tensor
 
 
-def wait(tensor: Tensor, op: str, group: ProcessGroup, what: str = "") -> Tensor:
-    """Wait for the collective whose result is `tensor` (see `Pending.result`); a tensor
-    already waited for, or none in flight, comes back at once."""
-    if group.size() == 1:
-        return tensor
-    return Pending(tensor, op=op, group=group, what=what).wait()
-
-
 def all_gather(shard: Tensor, group: ProcessGroup, what: str = "") -> Pending:
     """Concatenate every rank's 1-D `shard` in rank order: (numel * group size,).
 

@@ -291,18 +291,15 @@ class _Throttle:
 
     def wait(self, result: Tensor, spec: GatherSpec) -> Tensor:
         """The finished reduce of a tensor `issue` returned (all-reduced across replicas now,
-        on an HSDP mesh)."""
+        on an HSDP mesh). Every reduce but the last was waited for when the next was issued."""
+        grad = result
         if self.last is not None and self.last[1] is result:
-            self.last = None
-        mesh, unit = spec.mesh, spec.flat.unit
-        if mesh.shard_size > 1:
-            grad = collectives.wait(result, "reduce_scatter", mesh.shard_group, unit)
-            if spec.across_replicas:
-                grad = collectives.all_reduce(grad, mesh.replicate_group, "avg", what=unit).wait()
-            return grad
-        if spec.across_replicas:
-            return collectives.wait(result, "all_reduce", mesh.replicate_group, unit)
-        return result
+            grad, self.last = self.last[0].wait(), None
+        mesh = spec.mesh
+        if mesh.shard_size > 1 and spec.across_replicas:
+            unit = spec.flat.unit
+            grad = collectives.all_reduce(grad, mesh.replicate_group, "avg", what=unit).wait()
+        return grad
 
 
 _THROTTLE = _Throttle()

@@ -71,6 +71,8 @@ class Binding:
     replicated_slots: tuple[tuple[Slot, str], ...]
     buffer_slots: tuple[tuple[Slot, str], ...]
     module_ids: frozenset[int]  # every module of the model (see funcshard/recompute.py)
+    relinks: tuple[tuple[nn.Module, tuple[int, ...]], ...]  # (module, the whole-call units
+    # owning a slot in it): where each such unit is first used (see `_Run.relink`)
     units_under: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False)
     # module id -> the units owning a parameter slot under it (filled on first recompute)
 
@@ -147,6 +149,13 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
     # fires): they stay gathered for the whole call (free on a size-1 shard axis).
     not_called = {k for k, m in enumerate(modules) if m is None or not _has_forward(m)}
     whole = frozenset(crossing | not_called | ({root} if root is not None else set()))
+    relinks: dict[int, tuple[nn.Module, list[int]]] = {}
+    for unit in sorted(whole):
+        for slot, _, _ in param_slots[unit]:
+            if _has_forward(slot.module):
+                entry = relinks.setdefault(id(slot.module), (slot.module, []))
+                if unit not in entry[1]:
+                    entry[1].append(unit)
     return Binding(
         layout=layout,
         unit_names=units,
@@ -158,6 +167,7 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         replicated_slots=tuple(replicated),
         buffer_slots=buffer_slots,
         module_ids=frozenset(id(m) for m in model.modules()),
+        relinks=tuple((module, tuple(units)) for module, units in relinks.values()),
     )
 
 
@@ -252,6 +262,7 @@ class _Run:
         # (unit, flat index): how the saved-tensor hook recognizes gathered parameters
         self.backward_full: dict[int, tuple[Tensor, ...]] = {}
         self.finished: set[int] = set()  # units whose gather nodes ran in backward
+        self.relinked: set[int] = set()  # whole-call units given their later gather node
         self.unfinished: dict[int, int] = {}  # unit -> gather nodes still to run
         # nothing to free on a size-1 shard axis, where the "gathered" buffers are the shards
         # themselves (unless mixed precision or offload made them copies)
@@ -348,6 +359,28 @@ class _Run:
         nxt = self.forward_next.get(unit) if self.prefetch else None
         if nxt is not None:
             self.issue(nxt)
+        for slot, index, _ in self.binding.param_slots[unit]:
+            _set_slot(slot, params[index])
+
+    def relink(self, unit: int) -> None:
+        """The first module owning a slot of a whole-call unit is about to run: give the unit
+        a fresh gather node over the buffers it already has, so that its reduce starts
+        once backward is past that module, not at the end (autograd runs the nodes created
+        first last). Slots read before, e.g. by a parent module, keep the first node, which
+        reduces their part at the end; the two reduces add up."""
+        flats = self.binding.unit_flats[unit]
+        if unit in self.relinked or not any(self.deferred[i] for i in flats):
+            return  # nothing reduces asynchronously (second order, torch.func): no overlap
+        self.relinked.add(unit)
+        old, params = iter(self.params[unit] or ()), []
+        for i, full in zip(flats, self.full[unit] or (), strict=True):
+            views = [next(old) for _ in self.specs[i].flat.fqns]
+            if self.deferred[i]:
+                source = collectives.Pending(full, done=True)
+                spec, sink = self.specs[i], self.sinks[i]
+                views = gather.gather(self.inputs[i], spec, source, sink, self.deferred[i])
+            params.extend(views)
+        self.params[unit] = tuple(params)
         for slot, index, _ in self.binding.param_slots[unit]:
             _set_slot(slot, params[index])
 
@@ -646,13 +679,24 @@ def _eager_call(
 
 
 def _install_hooks(binding: Binding, run: _Run) -> list[Any]:
-    handles = []
+    handles = [
+        module.register_forward_pre_hook(_relink_hook(run, units))
+        for module, units in binding.relinks
+    ]
     for unit, module in enumerate(binding.unit_modules):
         if unit in binding.whole_call:
             continue
         handles.append(module.register_forward_pre_hook(_pre_hook(run, unit)))
         handles.append(module.register_forward_hook(_post_hook(run, unit), always_call=True))
     return handles
+
+
+def _relink_hook(run: _Run, units: tuple[int, ...]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        for unit in units:
+            run.relink(unit)
+
+    return hook
 
 
 def _pre_hook(run: _Run, unit: int) -> Callable[..., None]:
