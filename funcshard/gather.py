@@ -117,7 +117,22 @@ def gather(
     Communicates: one all-gather over the shard axis (unless `source` is given); backward:
     one reduce-scatter, plus one all-reduce across replicas.
     """
-    return _Gather.apply(shard, sink, spec, source, deferred)
+    return _apply(_Gather, shard, sink, spec, source, deferred)
+
+
+def _apply(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """`function.apply(*args)` with every argument given positionally.
+
+    `Function.apply` of a setup_context-style function binds the arguments through
+    `inspect.signature` first, ~30 us a call and the largest part of funcshard's own CPU
+    time per unit; outside torch.func transforms and dynamo it then only unwraps tensors
+    left over from finished transforms and calls the C++ apply, which this does directly."""
+    if torch._C._are_functorch_transforms_active() or torch.compiler.is_dynamo_compiling():
+        return function.apply(*args)
+    args = tuple(
+        torch._C._functorch.unwrap_if_dead(a) if isinstance(a, Tensor) else a for a in args
+    )
+    return super(torch.autograd.Function, function).apply(*args)
 
 
 def gathered_buffer(params: tuple[Tensor, ...]) -> Tensor | None:
@@ -197,7 +212,7 @@ def reduce(full: Tensor, spec: GatherSpec) -> Tensor:
 
     Communicates: one reduce-scatter over the shard axis, plus one all-reduce across replicas
     for reduction "mean"; its backward one all-gather."""
-    return _ReduceFlat.apply(_prepared(full, spec), spec)
+    return _apply(_ReduceFlat, _prepared(full, spec), spec)
 
 
 class _ReduceFlat(torch.autograd.Function):
@@ -245,7 +260,7 @@ def defer_wait(shard: Tensor, spec: GatherSpec) -> Tensor:
     backward hands it (autograd would cast a gradient of another dtype at once, reading it
     before it lands); a gather fed by it reads its values from an issued `source` instead.
     """
-    return _DeferWait.apply(shard, spec)
+    return _apply(_DeferWait, shard, spec)
 
 
 class _DeferWait(torch.autograd.Function):
