@@ -219,6 +219,17 @@ class _ReduceFlat(torch.autograd.Function):
     """Mean reduce-scatter (and mean all-reduce across replicas); backward: all-gather."""
 
     @staticmethod
+    def vmap(info: Any, in_dims: tuple, grad: Tensor, spec: GatherSpec) -> Any:
+        raise ValueError(
+            f"funcshard: unit {spec.flat.unit!r}: torch.func.vmap over a gradient of a "
+            f"sharded state (per-example gradients) is not supported: the gather's backward "
+            f"averages each gradient over the data-parallel ranks, which would mix example i "
+            f"of every rank. Take per-example gradients of this rank's examples on the full "
+            f"parameters instead: params = funcshard.unshard(state), then "
+            f"torch.func.vmap(torch.func.grad(loss)) over funcshard.call(model, params, x)."
+        )
+
+    @staticmethod
     def forward(grad: Tensor, spec: GatherSpec) -> Tensor:
         mesh = spec.mesh
         grad = collectives.reduced_scattered(grad, mesh.shard_group, "avg")

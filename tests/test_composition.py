@@ -14,6 +14,7 @@ in the test process on a freshly built copy of the model with `torch.func.functi
 """
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -359,3 +360,48 @@ def test_composed_transforms_keep_working_for_inference(mesh):
         _assert_close(r["batched"], _local(out, mesh, rank), f"rank {rank} call vs one process")
         _assert_close(r["out"], _local(out, mesh, rank), f"rank {rank} jvp primal")
         _assert_close(r["tangent_out"], _local(tangent_out, mesh, rank), f"rank {rank} jvp tangent")
+
+
+# --- 7. What torch.func cannot do on a state, said clearly ---------------------------------
+
+
+def _per_example(rank: int) -> str:
+    model, state, [(x, y)] = _setup("fsdp", rank)
+
+    def loss(shards, xi, yi):
+        return _mse(_sharded(model, state.replace(shards=shards)), xi[None], yi[None])
+
+    try:
+        torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(state.shards, x, y)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_per_example_gradients_on_a_state_are_refused_with_the_reason():
+    """vmap over grad would average example i of every rank: refused, naming the unit and
+    the way that works (per-example gradients on the full parameters)."""
+    for message in testing.run(_per_example, world_size=2):
+        assert "per-example gradients" in message and "funcshard.unshard(state)" in message
+        assert "unit '" in message
+
+
+def _func_warning(rank: int) -> list[str]:
+    from funcshard import sharded_call
+
+    model, state, [(x, y)] = _setup("fsdp", rank)
+    sharded_call._warned_kept_gathered = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            torch.func.grad(lambda s: _mse(_sharded(model, s), x, y))(state)
+        fs.grad(lambda s: _mse(_sharded(model, s), x, y))(state)
+    return [str(w.message) for w in caught if "funcshard" in str(w.message)]
+
+
+def test_torch_func_on_a_resharding_state_warns_once_that_units_stay_gathered():
+    """torch.func refuses saved-tensor hooks, so reshard_after_forward cannot regather there:
+    said once per process, and not by fs.grad, which keeps resharding."""
+    for messages in testing.run(_func_warning, world_size=2):
+        assert len(messages) == 1, messages
+        assert "units stay gathered" in messages[0]

@@ -230,3 +230,37 @@ def test_explicit_prefetch_orders_decide_what_is_gathered_next():
     assert issued == ["", "blocks.0", "blocks.2", "blocks.1", "blocks.2", "blocks.0", "blocks.1"]
     assert same_loss
     assert "prefetch names ['b9'], which are not units of this state" in error
+
+
+def _jittered_trace(rank: int) -> list:
+    """Collectives of two steps in which each rank's backward stalls at random moments."""
+    import random
+    import time
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3))
+    mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    state = fs.shard(model, fs.plan(model, policy=BLOCKS), fs.Mesh(shard=2), mp=mp)
+    jitter = random.Random(rank)
+
+    def stall(module, args, out):
+        out.register_hook(lambda g: time.sleep(jitter.uniform(0, 0.01)))
+
+    handles = [b.register_forward_hook(stall) for b in model.blocks]
+    try:
+        with collectives.record() as log:
+            for step in range(2):
+                x, y = random_tokens(model.cfg, 2, seed=10 * step + rank)
+                fs.value_and_grad(functools.partial(_loss, model))(state, x, y)
+    finally:
+        for h in handles:
+            h.remove()
+    return [(r.op, r.numel, r.dtype) for r in log]
+
+
+def test_collective_order_is_fixed_by_program_order_whatever_the_timing():
+    """Every rank issues the same collectives in the same order although each rank's backward
+    stalls at different moments: the order comes from the autograd graph, not from timing."""
+    traces = testing.run(_jittered_trace, world_size=2)
+    assert traces[0] == traces[1]
+    assert [op for op, *_ in traces[0]].count("reduce_scatter") == 2 * 4
