@@ -46,9 +46,7 @@ def full_params(state: ShardedState) -> dict[str, Tensor]:
     for i, flat in enumerate(state.layout.flats):
         spec = gather.GatherSpec(flat, state.layout.mesh, state.mp, reduction)
         sink = sinks[i] if sinks is not None else None
-        params.update(
-            zip(flat.fqns, gather.gather(state.shards[i], spec, sink=sink), strict=True)
-        )
+        params.update(zip(flat.fqns, gather.gather(state.shards[i], spec, sink=sink), strict=True))
     return params
 
 

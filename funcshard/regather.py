@@ -1,0 +1,145 @@
+"""Resharding after forward: autograd keeps handles instead of gathered parameters, and
+backward regathers each unit when it first needs it.
+
+[Note: resharding after forward]
+While a sharded call runs, `saved_tensors_hooks` replaces every tensor autograd saves from a
+gathered buffer with a small `_Handle` (unit, buffer, view geometry), so the buffer itself
+can be dropped when its unit's module returns. In backward the first unpack of a unit
+regathers it, from the whole shard group or, with `reshard_after_forward=k`, from the 1/k
+slice each rank kept over groups of k ranks, and issues the regather of the unit that ran
+before it in forward (a prefetch). The regathered buffers are dropped when the unit's gather
+nodes are about to run (a node pre-hook): by then the unit's backward is done, and the
+gather's backward reads no parameter. torch.func refuses saved-tensor hooks, so under its
+transforms nothing is resharded (see `funcshard.sharded_call`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from funcshard import collectives
+
+if TYPE_CHECKING:
+    from funcshard.sharded_call import _Run
+
+
+class _Handle:
+    """What autograd keeps instead of a view into a resharded unit's gathered buffer."""
+
+    __slots__ = ("flat", "offset", "size", "stride", "unit")
+
+    def __init__(self, unit: int, flat: int, tensor: Tensor) -> None:
+        self.unit, self.flat = unit, flat
+        self.size, self.stride, self.offset = (
+            tensor.size(),
+            tensor.stride(),
+            tensor.storage_offset(),
+        )
+
+
+class Regather:
+    """The backward side of one resharding call: which buffers are gathered parameters, what
+    backward has regathered, and the k-rank slices kept between forward and backward."""
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+        mesh = run.layout.mesh
+        k = run.state.reshard_after_forward
+        self.k = k if not isinstance(k, bool) and k < mesh.shard_size else None
+        self.owner_of: dict[int, tuple[int, int]] = {}  # id of a gathered flat buffer ->
+        # (unit, flat index): how `pack` recognizes the parameters' views
+        self.slices: dict[int, tuple[Tensor, ...]] = {}  # unit -> this rank's 1/k slices
+        self.full: dict[int, tuple[Tensor, ...]] = {}  # unit -> its regathered buffers
+        self.finished: set[int] = set()  # units whose gather nodes ran
+        self.unfinished: dict[int, int] = {}  # unit -> its gather nodes still to run
+
+    def track(self, unit: int, flat_index: int, full: Tensor, views: tuple[Tensor, ...]) -> None:
+        """Recognize `full` (a gathered buffer of `unit`) in `pack`, and drop the unit's
+        regathered buffers once its gather nodes run in backward."""
+        self.owner_of[id(full)] = (unit, flat_index)
+        regather = weakref.ref(self)  # the graph must not keep the run's buffers alive
+        self.unfinished[unit] = self.unfinished.get(unit, 0) + 1
+
+        def reduced(grads: object) -> None:
+            alive = regather()
+            if alive is not None:
+                alive.unfinished[unit] -= 1
+                if alive.unfinished[unit] == 0:
+                    alive.finished.add(unit)
+                    alive.full.pop(unit, None)
+
+        views[0].grad_fn.register_prehook(reduced)
+
+    def release(self, unit: int, fulls: tuple[Tensor | None, ...]) -> None:
+        """A unit's module returned: keep this rank's 1/k slices (resharding to k), and stop
+        recognizing its buffers, whose ids may be reused."""
+        if self.k is not None:
+            index = self.run.layout.mesh.shard_rank % self.k
+            self.slices[unit] = tuple(
+                f.detach().chunk(self.k)[index].clone() for f in fulls if f is not None
+            )
+        for tensor in fulls:
+            self.owner_of.pop(id(tensor), None)
+
+    def pack(self, tensor: Tensor) -> Any:
+        owner = self.owner_of.get(id(tensor if tensor._base is None else tensor._base))
+        if owner is None or owner[0] in self.run.binding.whole_call:
+            return tensor  # not a gathered buffer, or one kept for the whole step
+        if tensor.dtype != self.run.specs[owner[1]].gather_dtype:
+            return tensor
+        return _Handle(owner[0], owner[1], tensor)
+
+    def unpack(self, packed: Any) -> Tensor:
+        if not isinstance(packed, _Handle):
+            return packed
+        flats = self.gathered(packed.unit)
+        flat = flats[self.run.binding.unit_flats[packed.unit].index(packed.flat)]
+        return flat.as_strided(packed.size, packed.stride, packed.offset)
+
+    def gathered(self, unit: int) -> tuple[Tensor, ...]:
+        """A unit's buffers in backward, regathered (and the next unit's regather issued)."""
+        run = self.run
+        if unit not in self.full:
+            self.issue(unit)
+            self.full[unit] = tuple(p.wait() for p in run.pending.pop(unit))
+            nxt = self._next(unit) if run.prefetch else None
+            if nxt is not None:
+                self.issue(nxt)
+        return self.full[unit]
+
+    def issue(self, unit: int) -> None:
+        """Start regathering a unit: from its k-rank slices, or from the full shard group."""
+        run = self.run
+        if unit in self.full or unit in run.pending:
+            return
+        slices = self.slices.pop(unit, None)
+        if slices is None:
+            run.full[unit] = None
+            run.issue(unit)
+            return
+        group = run.layout.mesh.post_forward_group(self.k)
+        name = run.binding.unit_names[unit]
+        run.pending[unit] = tuple(collectives.all_gather(s, group, what=name) for s in slices)
+
+    def _next(self, unit: int) -> int | None:
+        """The unit to regather next: the explicit order's, or the one that ran just before
+        `unit` in forward, if backward still needs it."""
+        run = self.run
+        if run.backward_next is not None:
+            earlier = run.backward_next.get(unit)
+        elif unit in run.order and run.order.index(unit) > 0:
+            earlier = run.order[run.order.index(unit) - 1]
+        else:
+            earlier = None
+        if earlier is None or earlier in run.binding.whole_call:
+            return None  # whole-call units stay gathered through backward
+        if earlier in self.finished or earlier in self.full:
+            return None
+        return earlier
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
