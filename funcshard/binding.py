@@ -41,6 +41,7 @@ class Binding:
     module_ids: frozenset[int]  # every module of the model (see funcshard/recompute.py)
     relinks: tuple[tuple[nn.Module, tuple[int, ...]], ...]  # (module, the whole-call units
     # owning a slot in it): where each such unit is first used (see `_Run.relink`)
+    relinked_units: frozenset[str]  # the names of the units in `relinks`
     units_under: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False)
     # module id -> the units owning a parameter slot under it (filled on first recompute)
 
@@ -136,6 +137,7 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         buffer_slots=buffer_slots,
         module_ids=frozenset(id(m) for m in model.modules()),
         relinks=tuple((module, tuple(units)) for module, units in relinks.values()),
+        relinked_units=frozenset(units[u] for _, us in relinks.values() for u in us),
     )
 
 

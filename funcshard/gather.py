@@ -107,16 +107,19 @@ def gather(
     spec: GatherSpec,
     source: collectives.Pending | None = None,
     sink: Tensor | None = None,
-    deferred: bool = False,
+    deferred: Deferred | None = None,
 ) -> tuple[Tensor, ...]:
     """The parameters of one flat buffer, gathered differentiably (see [Note: one
-    differentiable gather]). `source` is an all-gather already issued (`issue_gather`);
-    `deferred` says the shard went through `defer_wait`, so backward may reduce
-    asynchronously.
+    differentiable gather]). `source` is an all-gather already issued (`issue_gather`).
+    Given `deferred` (the shard behind its wait node, see `defer`), the gather reads that
+    instead of `shard`, and its backward may reduce asynchronously.
 
     Communicates: one all-gather over the shard axis (unless `source` is given); backward:
     one reduce-scatter, plus one all-reduce across replicas.
     """
+    if deferred is not None:
+        deferred.gathers += 1
+        shard = deferred.shard
     return _apply(_Gather, shard, sink, spec, source, deferred)
 
 
@@ -150,9 +153,9 @@ class _Gather(torch.autograd.Function):
         sink: Tensor | None,
         spec: GatherSpec,
         source: collectives.Pending | None,
-        deferred: bool,
+        deferred: Deferred | None,
     ) -> tuple[Tensor, ...]:
-        assert source is not None or not deferred  # see defer_wait
+        assert source is not None or deferred is None  # see Deferred
         full = source.wait() if source is not None else _all_gather(shard, spec)
         return param_views(full, spec.flat)
 
@@ -168,7 +171,7 @@ class _Gather(torch.autograd.Function):
         full = _concat(grads, spec)
         if spec.reduction == "none":
             return None, _prepared(full, spec), None, None, None
-        if ctx.deferred and not torch.is_grad_enabled():
+        if ctx.deferred is not None and ctx.deferred.alone() and not torch.is_grad_enabled():
             return _THROTTLE.issue(_prepared(full, spec), spec), None, None, None, None
         return reduce(full, spec).to(ctx.shard_dtype), None, None, None, None
 
@@ -263,15 +266,26 @@ class _GatherFlat(torch.autograd.Function):
         return _ReduceFlat.apply(grad, ctx.spec), None
 
 
-def defer_wait(shard: Tensor, spec: GatherSpec) -> Tensor:
-    """The shard through an identity node whose backward waits for the asynchronous reduce
-    of its gradient (see [Note: one differentiable gather]): apply it when the call starts.
+class Deferred:
+    """A shard behind a wait node whose backward waits for the asynchronous reduce of its
+    gradient (see [Note: one differentiable gather]); make it when the call starts, before
+    any compute, so that the wait runs at the end of backward.
 
-    Its output is in the reduce dtype, the dtype of the in-flight result the gather's
-    backward hands it (autograd would cast a gradient of another dtype at once, reading it
-    before it lands); a gather fed by it reads its values from an issued `source` instead.
+    Only one gather may reduce asynchronously into it: a second gather reading the same
+    node would meet the first one's in-flight result in autograd's sum at its input, so both
+    reduce synchronously then (`alone`). The node's output is in the reduce dtype, the dtype
+    of the in-flight result (autograd would cast a gradient of another dtype at once, reading
+    it before it lands); a gather fed by it takes its values from an issued `source`.
     """
-    return _apply(_DeferWait, shard, spec)
+
+    __slots__ = ("gathers", "shard")
+
+    def __init__(self, shard: Tensor, spec: GatherSpec) -> None:
+        self.shard = _apply(_DeferWait, shard, spec)
+        self.gathers = 0
+
+    def alone(self) -> bool:
+        return self.gathers == 1
 
 
 class _DeferWait(torch.autograd.Function):

@@ -79,14 +79,20 @@ class _Run:
             grad and not flat.frozen and (s.requires_grad or sink is not None)
             for s, sink, flat in zip(state.shards, self.sinks, layout.flats, strict=True)
         )
-        self.deferred = tuple(
+        # the wait nodes come first, before any compute: see [Note: one differentiable gather]
+        asynchronous = tuple(
             d and reduction != "none" and not self.functorch and s.requires_grad
             for d, s in zip(self.differentiable, state.shards, strict=True)
         )
-        # the wait nodes come first, before any compute: see [Note: one differentiable gather]
-        self.inputs = tuple(
-            gather.defer_wait(s, spec) if deferred else s
-            for s, spec, deferred in zip(state.shards, self.specs, self.deferred, strict=True)
+        self.deferred = tuple(
+            gather.Deferred(s, spec) if a else None
+            for s, spec, a in zip(state.shards, self.specs, asynchronous, strict=True)
+        )
+        self.relink_deferred = tuple(  # a second wait node for the second gather of `relink`
+            gather.Deferred(s, spec) if a and flat.unit in binding.relinked_units else None
+            for s, spec, a, flat in zip(
+                state.shards, self.specs, asynchronous, layout.flats, strict=True
+            )
         )
         n_units = len(binding.unit_names)
         self.full: list[tuple[Tensor | None, ...] | None] = [None] * n_units
@@ -158,7 +164,8 @@ class _Run:
     def _gather(self, i: int, source: collectives.Pending | None) -> tuple[Tensor, ...]:
         spec = self.specs[i]
         if self.differentiable[i]:
-            return gather.gather(self.inputs[i], spec, source, self.sinks[i], self.deferred[i])
+            shard = self.state.shards[i]
+            return gather.gather(shard, spec, source, self.sinks[i], self.deferred[i])
         if source is None:
             source = gather.issue_gather(self.state.shards[i], spec)
         return param_views(source.wait(), spec.flat)
@@ -180,16 +187,17 @@ class _Run:
         first last). Slots read before, e.g. by a parent module, keep the first node, which
         reduces their part at the end; the two reduces add up."""
         flats = self.binding.unit_flats[unit]
-        if unit in self.relinked or not any(self.deferred[i] for i in flats):
+        if unit in self.relinked or not any(self.relink_deferred[i] for i in flats):
             return  # nothing reduces asynchronously (second order, torch.func): no overlap
         self.relinked.add(unit)
         old, params = iter(self.params[unit] or ()), []
         for i, full in zip(flats, self.full[unit] or (), strict=True):
             views = [next(old) for _ in self.specs[i].flat.fqns]
-            if self.deferred[i]:
+            deferred = self.relink_deferred[i]
+            if deferred is not None:
                 source = collectives.Pending(full, done=True)
-                spec, sink = self.specs[i], self.sinks[i]
-                views = gather.gather(self.inputs[i], spec, source, sink, self.deferred[i])
+                shard, spec, sink = self.state.shards[i], self.specs[i], self.sinks[i]
+                views = gather.gather(shard, spec, source, sink, deferred)
             params.extend(views)
         self.params[unit] = tuple(params)
         for slot, index, _ in self.binding.param_slots[unit]:

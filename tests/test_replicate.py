@@ -144,3 +144,40 @@ def _sharded_mesh(rank: int) -> None:
 def test_replicate_needs_a_mesh_with_shard_one():
     with pytest.raises(ValueError, match=r"the mesh must have shard=1"):
         testing.run(_sharded_mesh, world_size=2)
+
+
+class _ParentReads(nn.Module):
+    """Reads a child's weight itself before the child runs, and then runs the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self.b.weight)  # before b's forward: the bucket's first gather node
+        return self.b(torch.tanh(self.a(h)))  # in b's forward: the bucket's later one
+
+
+def _parent_reads(rank: int) -> tuple:
+    torch.manual_seed(0)
+    model = _ParentReads()
+    state = fs.replicate(model, fs.Mesh(replicate=2), bucket_mb=1e-4, first_bucket_mb=1e-4)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(7))[2 * rank : 2 * rank + 2]
+    with collectives.record() as log:
+        _, grads = fs.value_and_grad(lambda s: fs.call(model, s, x).square().mean())(state)
+    full = fs.unshard(state.replace(shards=grads.shards))
+    return full, sum(r.op == "all_reduce" for r in log), len(state.layout.flats)
+
+
+def test_a_parameter_read_before_its_module_runs_still_gets_its_whole_gradient():
+    """A bucket's gather is renewed when its first module starts (so its all-reduce overlaps
+    backward); a read before that keeps the first node, and the two reductions add up."""
+    torch.manual_seed(0)
+    reference = _ParentReads()
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(7))
+    reference(x).square().mean().backward()
+    for full, all_reduces, buckets in testing.run(_parent_reads, world_size=2):
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(full[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+        assert all_reduces == buckets + 1  # b.weight's bucket reduces its two parts
