@@ -108,18 +108,17 @@ def _value(loss: Tensor, aux: Any, has_aux: bool) -> Any:
 def _sharded_value_and_grad(f, has_aux, state, reduction, prefetch, args, kwargs):
     layout = state.layout
     mesh = layout.mesh
+    shards = tuple(
+        s.detach() if flat.frozen else s.detach().requires_grad_()
+        for s, flat in zip(state.shards, layout.flats, strict=True)
+    )
     if reduction == "none":  # the gradients go to full-size sinks: see funcshard.gather
-        shards = tuple(s.detach() for s in state.shards)
         sinks = tuple(
             None if flat.frozen else _sink(flat.padded_numel, reduce_dtype(state.mp, flat), mesh)
             for flat in layout.flats
         )
         targets = sinks
     else:
-        shards = tuple(
-            s.detach() if flat.frozen else s.detach().requires_grad_()
-            for s, flat in zip(state.shards, layout.flats, strict=True)
-        )
         sinks = None
         targets = tuple(
             None if flat.frozen else s for s, flat in zip(shards, layout.flats, strict=True)
@@ -139,16 +138,28 @@ def _sharded_value_and_grad(f, has_aux, state, reduction, prefetch, args, kwargs
     with recompute.recording() as ran:
         loss, aux = _split(f(differentiated, *args, **kwargs), has_aux, "value_and_grad")
     wanted = [t for t in targets if t is not None]
-    with recompute.recomputing(ran):
-        found = iter(
-            torch.autograd.grad(loss, wanted, allow_unused=True)
-            if wanted and loss.requires_grad
-            else [None] * len(wanted)
-        )
+    direct = [s for s in shards if s.requires_grad] if reduction == "none" else []
+    try:
+        with recompute.recomputing(ran):
+            found = iter(
+                torch.autograd.grad(loss, wanted + direct, allow_unused=True)
+                if wanted and loss.requires_grad
+                else [None] * (len(wanted) + len(direct))
+            )
+    except BaseException:
+        gather.abandon_reduces()
+        raise
     grads = [
         None if t is None else _or_zeros(next(found), t, flat, state.mp)
         for t, flat in zip(targets, layout.flats, strict=True)
     ]
+    if any(g is not None for g in found):
+        raise ValueError(
+            "funcshard.value_and_grad(reduce=False): the function uses the state's shards "
+            "directly (e.g. a weight-decay term on state.shards), and local gradients are "
+            "taken with respect to the gathered parameters only, so that term would be lost. "
+            "Use reduce=True, or add such terms to the reduced gradients yourself."
+        )
     if reduction != "none":
         reduced = tuple(
             None if g is None else g.to(flat.dtype)

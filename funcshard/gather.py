@@ -25,15 +25,19 @@ the op, so autograd tracks no view of it) and its backward concatenates their gr
 once: slicing a flat output would make autograd build and sum one full-size gradient per
 parameter.
 
-Overlap, eagerly. A first-order backward (no `create_graph`, not traced) issues the reduce
-asynchronously and returns the in-flight result; `defer_wait(shard)`, applied to the shard
-before the gather, is an identity node whose backward waits for it. Autograd runs ready nodes
-newest first, and that wait node is created when the call starts, before any compute, so it
-runs at the end of backward: each reduce overlaps everything backward does after it, and the
-waits come in one fixed order. The collectives are issued in program order by construction:
-autograd's order on one thread is the same on every rank. At most one reduce is in flight
-(`_Throttle`): waiting for the previous one frees its full-size input, so backward never
-holds every unit's full gradient. Second-order and traced backwards reduce synchronously
+Overlap, eagerly. A plain first-order backward (no `create_graph`, no vmap over it, no
+anomaly mode, not traced) issues the reduce asynchronously and returns the in-flight result
+to a wait node (`Deferred`): an identity on the shard, made when the call starts, whose
+backward waits for it. Autograd runs ready nodes newest first, and the wait node is older
+than every node of the call's compute, so it runs once backward is through the whole call:
+each reduce overlaps everything backward does after it, and the waits come in one fixed
+order. Collectives are issued in program order by construction: autograd's order on one
+thread is the same on every rank. At most one reduce-scatter is in flight (`_Throttle`):
+issuing one first waits for the last, which frees its full-size input, so backward never
+holds every unit's full gradient; on an HSDP mesh the finished reduce-scatter's all-reduce
+across replicas starts then, and its wait node waits for it. A wait node fed by two gathers
+(a unit gathered twice in one call) would meet two in-flight results in autograd's sum, so
+both reduce synchronously. Second-order, batched and traced backwards reduce synchronously
 through differentiable ops.
 
 `reduction` says what the backward does: "mean" (the default), "shard" (HSDP without the
@@ -139,8 +143,8 @@ def _apply(function: type[torch.autograd.Function], *args: Any) -> Any:
 
 
 def gathered_buffer(params: tuple[Tensor, ...]) -> Tensor | None:
-    """The gathered flat buffer a gather's parameters view (None if it returned the shard's
-    own storage, as over a size-1 shard axis without a cast)."""
+    """The gathered flat buffer a gather's parameters view (over a size-1 shard axis without
+    a cast, the shard itself; None under torch.func, whose wrappers have no base)."""
     return params[0]._base if params else None
 
 
@@ -168,12 +172,31 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         spec: GatherSpec = ctx.spec
+        if any(g is not None and torch._C._functorch.is_legacy_batchedtensor(g) for g in grads):
+            raise ValueError(
+                f"funcshard: unit {spec.flat.unit!r}: batched gradients through a sharded "
+                f"call (torch.autograd.grad(..., is_grads_batched=True), or "
+                f"torch.autograd.functional.jacobian(vectorize=True)) are not supported: each "
+                f"row would need its own reduce across ranks. Compute the rows one at a time."
+            )
         full = _concat(grads, spec)
         if spec.reduction == "none":
             return None, _prepared(full, spec), None, None, None
-        if ctx.deferred is not None and ctx.deferred.alone() and not torch.is_grad_enabled():
+        if ctx.deferred is not None and _may_defer(ctx.deferred):
             return _THROTTLE.issue(_prepared(full, spec), spec), None, None, None, None
         return reduce(full, spec).to(ctx.shard_dtype), None, None, None, None
+
+
+def _may_defer(deferred: Deferred) -> bool:
+    """Whether this backward may leave the reduce in flight for the wait node: a plain
+    first-order backward (no create_graph, no vmap of it as in `is_grads_batched`, no
+    anomaly mode, which reads every gradient at once), its wait node fed by this gather only."""
+    return (
+        deferred.alone()
+        and not torch.is_grad_enabled()
+        and not torch.is_anomaly_enabled()
+        and not torch._C._are_functorch_transforms_active()
+    )
 
 
 def _all_gather(shard: Tensor, spec: GatherSpec) -> Tensor:
@@ -292,7 +315,9 @@ class _DeferWait(torch.autograd.Function):
     @staticmethod
     def forward(shard: Tensor, spec: GatherSpec) -> Tensor:
         dtype = reduce_dtype(spec.mp, spec.flat)
-        return shard.view_as(shard) if shard.dtype == dtype else shard.to(dtype)
+        if shard.dtype == dtype:
+            return shard.view_as(shard)
+        return shard.new_zeros((), dtype=dtype).expand(shard.shape)  # its values go unread
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
@@ -303,20 +328,25 @@ class _DeferWait(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         if torch.is_grad_enabled():
             return grad.to(ctx.shard_dtype), None  # a synchronous backward reduced already
-        return _THROTTLE.wait(grad, ctx.spec).to(ctx.shard_dtype), None
+        return _THROTTLE.wait(grad).to(ctx.shard_dtype), None
 
 
 class _Throttle:
-    """Keeps at most one asynchronous reduce in flight: issuing one first finishes the last."""
+    """Keeps at most one asynchronous reduce-scatter (or DDP all-reduce) in flight: issuing
+    one first finishes the last, which frees its full-size input. On an HSDP mesh the
+    finished reduce-scatter's all-reduce across replicas starts then, in place, and its wait
+    node waits for it."""
 
     def __init__(self) -> None:
-        self.last: tuple[collectives.Pending, Tensor] | None = None  # (reduce, its result)
+        # the reduce in flight: (its collective, its result, its input, its spec)
+        self.last: tuple[collectives.Pending, Tensor, Tensor, GatherSpec] | None = None
+        self.across: dict[int, tuple[Tensor, collectives.Pending]] = {}  # id of a result ->
+        # (the result, its all-reduce across replicas in flight)
 
     def issue(self, grad: Tensor, spec: GatherSpec) -> Tensor:
         """Start reducing `grad`; return the tensor the result will be in, to be read only
         after `wait`."""
-        if self.last is not None:
-            self.last[0].wait()
+        self._finish_last()
         mesh, unit = spec.mesh, spec.flat.unit
         if mesh.shard_size > 1:
             pending = collectives.reduce_scatter(grad, mesh.shard_group, "avg", what=unit)
@@ -326,20 +356,39 @@ class _Throttle:
             )
         else:
             return grad
-        self.last = (pending, pending.result())
+        self.last = (pending, pending.result(), grad, spec)
         return self.last[1]
 
-    def wait(self, result: Tensor, spec: GatherSpec) -> Tensor:
-        """The finished reduce of a tensor `issue` returned (all-reduced across replicas now,
-        on an HSDP mesh). Every reduce but the last was waited for when the next was issued."""
-        grad = result
+    def _finish_last(self) -> None:
+        if self.last is None:
+            return
+        pending, result, _, spec = self.last
+        self.last = None
+        pending.wait()
+        if spec.mesh.shard_size > 1 and spec.across_replicas:
+            group, unit = spec.mesh.replicate_group, spec.flat.unit
+            across = collectives.all_reduce(result, group, "avg", inplace=True, what=unit)
+            self.across[id(result)] = (result, across)
+
+    def wait(self, result: Tensor) -> Tensor:
+        """The finished reduce of a tensor `issue` returned; any other tensor as it is."""
         if self.last is not None and self.last[1] is result:
-            grad, self.last = self.last[0].wait(), None
-        mesh = spec.mesh
-        if mesh.shard_size > 1 and spec.across_replicas:
-            unit = spec.flat.unit
-            grad = collectives.all_reduce(grad, mesh.replicate_group, "avg", what=unit).wait()
-        return grad
+            self._finish_last()
+        entry = self.across.pop(id(result), None)
+        if entry is not None:
+            entry[1].wait()
+        return result
+
+    def abandon(self) -> None:
+        """Forget what a backward that raised left in flight (every rank raised, or the
+        collective itself failed)."""
+        self.last = None
+        self.across.clear()
 
 
 _THROTTLE = _Throttle()
+
+
+def abandon_reduces() -> None:
+    """Forget the reduces a failed backward left in flight (see `_Throttle.abandon`)."""
+    _THROTTLE.abandon()

@@ -87,10 +87,14 @@ class Regather:
 
     def pack(self, tensor: Tensor) -> Any:
         owner = self.owner_of.get(id(tensor if tensor._base is None else tensor._base))
-        if owner is None or owner[0] in self.run.binding.whole_call:
-            return tensor  # not a gathered buffer, or one kept for the whole step
-        if tensor.dtype != self.run.specs[owner[1]].gather_dtype:
-            return tensor
+        if (
+            owner is None  # not a gathered buffer
+            or owner[0] in self.run.binding.whole_call  # one kept for the whole call
+            or tensor.dtype != self.run.specs[owner[1]].gather_dtype
+        ):
+            # detached: a saved output that held its own grad_fn would close a cycle through
+            # C++ (node -> saved tensor -> node) that keeps a graph never backpropagated alive
+            return tensor.detach() if tensor.grad_fn is not None else tensor
         return _Handle(owner[0], owner[1], tensor)
 
     def unpack(self, packed: Any) -> Tensor:

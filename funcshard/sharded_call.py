@@ -71,6 +71,13 @@ class _Run:
         reduction = options.reduction if options is not None else "mean"
         sinks = options.sinks if options is not None else None
         self.specs = _specs(layout, state.mp, reduction)
+        if reduction == "none" and any(s.grad_fn is not None for s in state.shards):
+            raise ValueError(
+                "funcshard.value_and_grad(reduce=False): the function calls the model on "
+                "shards it computed (state.replace(shards=...)); local gradients are taken "
+                "with respect to the gathered parameters, so the shards' own transformation "
+                "would be lost. Use reduce=True, which differentiates through it."
+            )
         grad = torch.is_grad_enabled()
         # torch.func's transforms refuse saved-tensor hooks and wrap the shards they see
         self.functorch = any(_is_functorch(s) for s in state.shards)
@@ -97,6 +104,7 @@ class _Run:
         n_units = len(binding.unit_names)
         self.full: list[tuple[Tensor | None, ...] | None] = [None] * n_units
         self.params: list[tuple[Tensor, ...] | None] = [None] * n_units
+        self.with_grad = [False] * n_units  # the grad mode `params` were made under
         self.pending: dict[int, tuple[collectives.Pending, ...]] = {}
         self.order: list[int] = []
         self.relinked: set[int] = set()  # whole-call units given their later gather node
@@ -143,27 +151,39 @@ class _Run:
         )
 
     def gathered(self, unit: int) -> tuple[Tensor, ...]:
-        """A unit's parameters, waiting for its all-gathers (issuing them if needed)."""
-        if self.params[unit] is None:
-            flats = self.binding.unit_flats[unit]
+        """A unit's parameters, waiting for its all-gathers (issuing them if needed). Made
+        again over the same buffers when grad mode changed since (a module of the unit run
+        under no_grad inside a differentiated call)."""
+        grad = torch.is_grad_enabled()
+        if self.params[unit] is not None and self.with_grad[unit] == grad:
+            return self.params[unit]
+        flats = self.binding.unit_flats[unit]
+        fulls = self.full[unit]
+        if fulls is not None and all(f is not None for f in fulls):
+            sources = tuple(collectives.Pending(f, done=True) for f in fulls)
+        else:
             self.issue(unit)
             sources = self.pending.pop(unit, (None,) * len(flats))
-            params: list[Tensor] = []
-            fulls = []
-            for i, source in zip(flats, sources, strict=True):
-                views = self._gather(i, source)
-                full = gather.gathered_buffer(views)
-                if self.regather is not None and self.differentiable[i] and full is not None:
-                    self.regather.track(unit, i, full, views)
-                params.extend(views)
-                fulls.append(full)
-            self.full[unit] = tuple(fulls)
-            self.params[unit] = tuple(params)
+        params: list[Tensor] = []
+        new_fulls = []
+        for i, source in zip(flats, sources, strict=True):
+            differentiable = self.differentiable[i] and grad
+            views = self._gather(i, source, differentiable)
+            full = gather.gathered_buffer(views)
+            if self.regather is not None and differentiable and full is not None:
+                self.regather.track(unit, i, full, views)
+            params.extend(views)
+            new_fulls.append(full)
+        self.full[unit] = tuple(new_fulls)
+        self.params[unit] = tuple(params)
+        self.with_grad[unit] = grad
         return self.params[unit]
 
-    def _gather(self, i: int, source: collectives.Pending | None) -> tuple[Tensor, ...]:
+    def _gather(
+        self, i: int, source: collectives.Pending | None, differentiable: bool
+    ) -> tuple[Tensor, ...]:
         spec = self.specs[i]
-        if self.differentiable[i]:
+        if differentiable:
             shard = self.state.shards[i]
             return gather.gather(shard, spec, source, self.sinks[i], self.deferred[i])
         if source is None:
@@ -189,6 +209,8 @@ class _Run:
         flats = self.binding.unit_flats[unit]
         if unit in self.relinked or not any(self.relink_deferred[i] for i in flats):
             return  # nothing reduces asynchronously (second order, torch.func): no overlap
+        if not torch.is_grad_enabled() or not self.with_grad[unit]:
+            return  # a module run under no_grad: the next one with grad relinks
         self.relinked.add(unit)
         old, params = iter(self.params[unit] or ()), []
         for i, full in zip(flats, self.full[unit] or (), strict=True):

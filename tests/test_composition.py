@@ -14,6 +14,7 @@ in the test process on a freshly built copy of the model with `torch.func.functi
 """
 
 import functools
+import gc
 import warnings
 
 import pytest
@@ -405,3 +406,65 @@ def test_torch_func_on_a_resharding_state_warns_once_that_units_stay_gathered():
     for messages in testing.run(_func_warning, world_size=2):
         assert len(messages) == 1, messages
         assert "units stay gathered" in messages[0]
+
+
+def _misuses(rank: int) -> list[str]:
+    model, state, [(x, y)] = _setup("fsdp", rank)
+    messages = []
+
+    def weight_decay(s):
+        return _mse(_sharded(model, s), x, y) + sum(t.square().sum() for t in s.shards)
+
+    def scaled(s):
+        return _mse(_sharded(model, s.replace(shards=tuple(2 * t for t in s.shards))), x, y)
+
+    for f in (weight_decay, scaled):
+        try:
+            fs.value_and_grad(f, reduce=False)(state)
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    shards = tuple(s.detach().requires_grad_() for s in state.shards)
+    out = _sharded(model, state.replace(shards=shards))(x)
+    try:
+        torch.autograd.grad(out.sum(0), shards, torch.eye(3), is_grads_batched=True)
+        messages.append("no error")
+    except ValueError as e:
+        messages.append(str(e))
+    return messages
+
+
+def test_what_local_or_batched_gradients_cannot_express_is_refused():
+    """reduce=False takes gradients w.r.t. the gathered parameters: a loss that also uses the
+    shards, or calls the model on shards it computed, would silently lose that part; batched
+    cotangents would need a reduce per row. Each raises, saying why."""
+    for wd, scaled, batched in testing.run(_misuses, world_size=2):
+        assert "uses the state's shards directly" in wd, wd
+        assert "shards it computed" in scaled, scaled
+        assert "batched gradients through a sharded call" in batched, batched
+
+
+def _forward_only(rank: int) -> list[int]:
+    model, state, [(x, y)] = _setup("fsdp", rank)
+    shards = tuple(s.detach().requires_grad_() for s in state.shards)
+    sizes = []
+    for _ in range(4):
+        _mse(_sharded(model, state.replace(shards=shards)), x, y)  # never backpropagated
+        gc.collect()
+        sizes.append(
+            sum(
+                o.untyped_storage().nbytes()
+                for o in gc.get_objects()
+                if type(o) is torch.Tensor
+                and not o.is_meta
+                and not torch._C._functorch.is_functorch_wrapped_tensor(o)
+            )
+        )
+    return sizes
+
+
+def test_a_graph_never_backpropagated_is_freed():
+    """Regression: the resharding pack hook returned saved outputs as they were, a cycle
+    through C++ (node -> saved tensor -> node) that kept every such graph alive."""
+    for sizes in testing.run(_forward_only, world_size=2):
+        assert sizes[1] == sizes[2] == sizes[3], sizes  # (the first call fills caches)

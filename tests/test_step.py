@@ -303,3 +303,44 @@ def test_a_unit_run_twice_in_one_forward_gets_both_gradients(mesh_kwargs):
     for full in testing.run(functools.partial(_twice, mesh_kwargs), world_size=2):
         for name, p in reference.named_parameters():
             torch.testing.assert_close(full[name], p.grad, msg=name, **tol)
+
+
+class _StopGradient(nn.Module):
+    """Runs `b` once under no_grad (a stop-gradient target) and once differentiated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.b(x)
+        return (self.b(torch.tanh(self.a(x))) - target).square()
+
+
+def _stop_gradient(case: str, rank: int) -> dict:
+    torch.manual_seed(0)
+    model = _StopGradient()
+    if case == "ddp":
+        state = fs.replicate(model, fs.Mesh(replicate=2), bucket_mb=1e-4, first_bucket_mb=1e-4)
+    else:
+        policy = fs.policy.module_classes({nn.Linear}) if case != "root" else None
+        plan = fs.plan(model, policy=policy) if policy else fs.plan(model)
+        state = fs.shard(model, plan, fs.Mesh(shard=2), reshard_after_forward=case != "kept")
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))[2 * rank : 2 * rank + 2]
+    _, grads = fs.value_and_grad(lambda s: fs.call(model, s, x).mean())(state)
+    return fs.unshard(state.replace(shards=grads.shards))
+
+
+@pytest.mark.parametrize("case", ["resharded", "kept", "root", "ddp"])
+def test_a_module_run_under_no_grad_inside_the_forward_leaves_the_other_runs_differentiated(case):
+    """Regression: the parameters gathered for a no_grad run of a module were reused for its
+    differentiated run (zero gradients), or crashed the resharding bookkeeping."""
+    torch.manual_seed(0)
+    reference = _StopGradient()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    reference(x).mean().backward()
+    for full in testing.run(functools.partial(_stop_gradient, case), world_size=2):
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(full[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
