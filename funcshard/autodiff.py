@@ -138,7 +138,10 @@ def _sharded_value_and_grad(f, has_aux, state, reduction, prefetch, args, kwargs
     with recompute.recording() as ran:
         loss, aux = _split(f(differentiated, *args, **kwargs), has_aux, "value_and_grad")
     wanted = [t for t in targets if t is not None]
-    direct = [s for s in shards if s.requires_grad] if reduction == "none" else []
+    # reduce=False loses terms on the shards themselves: look for them (eagerly; a traced
+    # autograd.grad answers zeros for unused inputs)
+    looks = reduction == "none" and not torch.compiler.is_dynamo_compiling()
+    direct = [s for s in shards if s.requires_grad] if looks else []
     try:
         with recompute.recomputing(ran):
             found = iter(

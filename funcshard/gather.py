@@ -172,7 +172,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         spec: GatherSpec = ctx.spec
-        if any(g is not None and torch._C._functorch.is_legacy_batchedtensor(g) for g in grads):
+        if _legacy_batched(grads):
             raise ValueError(
                 f"funcshard: unit {spec.flat.unit!r}: batched gradients through a sharded "
                 f"call (torch.autograd.grad(..., is_grads_batched=True), or "
@@ -185,6 +185,13 @@ class _Gather(torch.autograd.Function):
         if ctx.deferred is not None and _may_defer(ctx.deferred):
             return _THROTTLE.issue(_prepared(full, spec), spec), None, None, None, None
         return reduce(full, spec).to(ctx.shard_dtype), None, None, None, None
+
+
+def _legacy_batched(grads: tuple[Tensor | None, ...]) -> bool:
+    """Whether backward runs under `is_grads_batched` (torch's legacy vmap; never traced)."""
+    if torch.compiler.is_dynamo_compiling():
+        return False
+    return any(g is not None and torch._C._functorch.is_legacy_batchedtensor(g) for g in grads)
 
 
 def _may_defer(deferred: Deferred) -> bool:
