@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -116,7 +117,8 @@ class _Run:
             _warn_kept_gathered()
         self.reshard = reshard and not self.functorch
         # see [Note: resharding after forward]
-        self.regather = Regather(self) if self.reshard and any(self.differentiable) else None
+        regather = Regather(self) if self.reshard and any(self.differentiable) else None
+        self._regather: Regather | weakref.ref[Regather] | None = regather  # weak after the call
         prefetch = options.prefetch if options is not None else True
         self.prefetch = prefetch is not False and not self.functorch
         explicit = prefetch if isinstance(prefetch, Prefetch) else Prefetch()
@@ -270,6 +272,14 @@ class _Run:
                 p.wait()
         self.pending.clear()
 
+    @property
+    def regather(self) -> Regather | None:
+        """The resharding bookkeeping (see [Note: resharding after forward]). After the call
+        only autograd's saved-tensor hooks hold it (and it holds the run): a strong reference
+        back would be a cycle that keeps a finished step's buffers until the next gc pass."""
+        regather = self._regather
+        return regather() if isinstance(regather, weakref.ref) else regather
+
     def after_call(self) -> None:
         """Keep only what backward needs: the whole-call units when resharding, every
         gathered unit when not (autograd holds their views anyway), nothing without grad."""
@@ -279,6 +289,8 @@ class _Run:
         ]
         self.full = [f if k else None for f, k in zip(self.full, keep, strict=True)]
         self.params = [p if k else None for p, k in zip(self.params, keep, strict=True)]
+        if isinstance(self._regather, Regather):
+            self._regather = weakref.ref(self._regather)
 
 
 def _specs(layout: Layout, mp: Any, reduction: str) -> tuple[gather.GatherSpec, ...]:
@@ -314,6 +326,9 @@ class _Recomputation:
 
     def __init__(self, run: _Run) -> None:
         self.run = run
+        # a recomputed unit may be regathered even if autograd saved none of its tensors
+        # (checkpointed regions save through torch's hooks, not the run's)
+        self.regather = run.regather
         self.buffers: dict[str, Tensor] = {}  # the call's buffers when it returned
         self.holds: dict[int, int] = {}  # unit -> how many entered modules need it
         self.saved: dict[int, list[tuple[Slot, Tensor]]] = {}  # unit -> what its slots held
