@@ -345,8 +345,9 @@ class _Throttle:
     node waits for it."""
 
     def __init__(self) -> None:
-        # the reduce in flight: (its collective, its result, its input, its spec)
-        self.last: tuple[collectives.Pending, Tensor, Tensor, GatherSpec] | None = None
+        # the reduce in flight: (its collective, its result, its spec); the collective keeps
+        # its input alive until it completes
+        self.last: tuple[collectives.Pending, Tensor, GatherSpec] | None = None
         self.across: dict[int, tuple[Tensor, collectives.Pending]] = {}  # id of a result ->
         # (the result, its all-reduce across replicas in flight)
 
@@ -363,13 +364,13 @@ class _Throttle:
             )
         else:
             return grad
-        self.last = (pending, pending.result(), grad, spec)
+        self.last = (pending, pending.result(), spec)
         return self.last[1]
 
     def _finish_last(self) -> None:
         if self.last is None:
             return
-        pending, result, _, spec = self.last
+        pending, result, spec = self.last
         self.last = None
         pending.wait()
         if spec.mesh.shard_size > 1 and spec.across_replicas:

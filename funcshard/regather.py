@@ -94,7 +94,7 @@ class Regather:
         ):
             # detached: a saved output that held its own grad_fn would close a cycle through
             # C++ (node -> saved tensor -> node) that keeps a graph never backpropagated alive
-            return tensor.detach() if tensor.grad_fn is not None else tensor
+            return tensor if tensor.is_leaf else tensor.detach()
         return _Handle(owner[0], owner[1], tensor)
 
     def unpack(self, packed: Any) -> Tensor:
