@@ -95,9 +95,10 @@ def refuse_reentrant_checkpoint(where: str) -> None:
     """Raise if a reentrant torch.utils.checkpoint is running this call without grad.
 
     `checkpoint(..., use_reentrant=True)` runs its function under no_grad and recomputes it in
-    a backward of its own, where no gradients of a sharded state are recorded: the state's
-    gradients through it would silently be zero. Only looked up on that rare path (a call
-    under a recorder with grad disabled), so the stack walk costs nothing otherwise.
+    a backward of its own, which accumulates into `.grad` of the tensors it was given, not
+    into the shards `value_and_grad` asks autograd about: the state's gradients through it
+    would silently be zero. Only looked up on that rare path (a call inside value_and_grad
+    with grad disabled), so the stack walk costs nothing otherwise.
     """
     target = torch.utils.checkpoint.CheckpointFunction.forward.__code__
     frame = sys._getframe(1)
