@@ -115,7 +115,7 @@ def gather(
 ) -> tuple[Tensor, ...]:
     """The parameters of one flat buffer, gathered differentiably (see [Note: one
     differentiable gather]). `source` is an all-gather already issued (`issue_gather`).
-    Given `deferred` (the shard behind its wait node, see `defer`), the gather reads that
+    Given `deferred` (the shard behind its wait node, see `Deferred`), the gather reads that
     instead of `shard`, and its backward may reduce asynchronously.
 
     Communicates: one all-gather over the shard axis (unless `source` is given); backward:
