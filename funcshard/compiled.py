@@ -39,14 +39,10 @@ from funcshard.state import ShardedState
 
 def full_params(state: ShardedState) -> dict[str, Tensor]:
     """Every parameter of the state, gathered differentiably, by FQN (with the replicated)."""
-    options = state if isinstance(state, gather.Differentiated) else None
-    reduction = options.reduction if options is not None else "mean"
-    sinks = options.sinks if options is not None and options.sinks is not None else None
+    specs, sinks = gather.specs_and_sinks(state)
     params: dict[str, Tensor] = dict(state.replicated)
-    for i, flat in enumerate(state.layout.flats):
-        spec = gather.GatherSpec(flat, state.layout.mesh, state.mp, reduction)
-        sink = sinks[i] if sinks is not None else None
-        params.update(zip(flat.fqns, gather.gather(state.shards[i], spec, sink=sink), strict=True))
+    for shard, spec, sink in zip(state.shards, specs, sinks, strict=True):
+        params.update(zip(spec.flat.fqns, gather.gather(shard, spec, sink=sink), strict=True))
     return params
 
 

@@ -99,6 +99,19 @@ register_record(
 )
 
 
+def specs_and_sinks(
+    state: ShardedState,
+) -> tuple[tuple[GatherSpec, ...], tuple[Tensor | None, ...]]:
+    """How each flat buffer of `state` is gathered, and its gradient sink (None but under
+    `value_and_grad(reduce=False)`): what the eager and the traced call both need."""
+    differentiated = isinstance(state, Differentiated)
+    reduction = state.reduction if differentiated else "mean"
+    layout = state.layout
+    specs = tuple(GatherSpec(flat, layout.mesh, state.mp, reduction) for flat in layout.flats)
+    sinks = state.sinks if differentiated and state.sinks is not None else None
+    return specs, sinks if sinks is not None else (None,) * len(specs)
+
+
 def issue_gather(shard: Tensor, spec: GatherSpec) -> collectives.Pending:
     """Start the all-gather of one buffer (cast to the gather dtype, on the mesh's device),
     outside autograd: a prefetch whose result `gather` takes as its `source`."""
@@ -207,10 +220,10 @@ def _may_defer(deferred: Deferred) -> bool:
 
 
 def _all_gather(shard: Tensor, spec: GatherSpec) -> Tensor:
-    data = shard.to(spec.mesh.device, gather_dtype(spec.mp, spec.flat))
     if torch.compiler.is_dynamo_compiling():
+        data = shard.to(spec.mesh.device, spec.gather_dtype)
         return collectives.gathered(data, spec.mesh.shard_group)
-    return collectives.all_gather(data, spec.mesh.shard_group, what=spec.flat.unit).wait()
+    return issue_gather(shard, spec).wait()
 
 
 def _concat(grads: tuple[Tensor | None, ...], spec: GatherSpec) -> Tensor:

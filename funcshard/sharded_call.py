@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from funcshard import collectives, compiled, gather, recompute
 from funcshard.binding import Binding, Slot, bind, get_slot, restore_slots, save_slots, set_slot
-from funcshard.layout import Layout, param_views
+from funcshard.layout import param_views
 from funcshard.module import call as call_on_dict
 from funcshard.precision import cast_inputs, cast_outputs
 from funcshard.regather import Regather
@@ -68,10 +68,8 @@ class _Run:
         self.binding = binding
         self.state = state
         layout = self.layout = state.layout
-        options = state if isinstance(state, gather.Differentiated) else None
-        reduction = options.reduction if options is not None else "mean"
-        sinks = options.sinks if options is not None else None
-        self.specs = _specs(layout, state.mp, reduction)
+        self.specs, self.sinks = gather.specs_and_sinks(state)
+        reduction = self.specs[0].reduction if self.specs else "mean"
         if reduction == "none" and any(s.grad_fn is not None for s in state.shards):
             raise ValueError(
                 "funcshard.value_and_grad(reduce=False): the function calls the model on "
@@ -82,7 +80,6 @@ class _Run:
         grad = torch.is_grad_enabled()
         # torch.func's transforms refuse saved-tensor hooks and wrap the shards they see
         self.functorch = any(_is_functorch(s) for s in state.shards)
-        self.sinks = sinks if sinks is not None else (None,) * len(layout.flats)
         self.differentiable = tuple(
             grad and not flat.frozen and (s.requires_grad or sink is not None)
             for s, sink, flat in zip(state.shards, self.sinks, layout.flats, strict=True)
@@ -119,7 +116,7 @@ class _Run:
         # see [Note: resharding after forward]
         regather = Regather(self) if self.reshard and any(self.differentiable) else None
         self._regather: Regather | weakref.ref[Regather] | None = regather  # weak after the call
-        prefetch = options.prefetch if options is not None else True
+        prefetch = state.prefetch if isinstance(state, gather.Differentiated) else True
         self.prefetch = prefetch is not False and not self.functorch
         explicit = prefetch if isinstance(prefetch, Prefetch) else Prefetch()
         forward = self._units_named(explicit.forward) if explicit.forward is not None else None
@@ -291,10 +288,6 @@ class _Run:
         self.params = [p if k else None for p, k in zip(self.params, keep, strict=True)]
         if isinstance(self._regather, Regather):
             self._regather = weakref.ref(self._regather)
-
-
-def _specs(layout: Layout, mp: Any, reduction: str) -> tuple[gather.GatherSpec, ...]:
-    return tuple(gather.GatherSpec(flat, layout.mesh, mp, reduction) for flat in layout.flats)
 
 
 def _is_functorch(tensor: Tensor) -> bool:
