@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from funcshard import chaos
+
 _ops = torch.ops._c10d_functional
 
 
@@ -109,6 +111,7 @@ class Pending:
 
     def wait(self) -> Tensor:
         if not self._done:
+            chaos.point()
             try:  # a collective's failure (timeout, a peer gone) surfaces here
                 with _below_autograd():
                     self._tensor = _ops.wait_tensor(self._tensor)
@@ -185,8 +188,31 @@ def all_reduced(tensor: Tensor, group: ProcessGroup, op: str = "avg") -> Tensor:
     return _ops.wait_tensor(_ops.all_reduce(tensor, op, group.group_name))
 
 
+class _Issued:
+    """How many collectives this process issued, and the last one: (op, unit, numel, dtype,
+    group), for the error that says where a rank stopped (see `last_issued`)."""
+
+    count = 0
+    last: tuple[str, str, int, torch.dtype, ProcessGroup] | None = None
+
+
+def last_issued() -> str:
+    """The last collective this process issued, numbered, in words ("none yet" before the
+    first): comparing it across ranks shows where their sequences parted."""
+    if _Issued.last is None:
+        return "none yet"
+    op, what, numel, dtype, group = _Issued.last
+    unit = f" of unit {what!r}" if what else ""
+    ranks = dist.get_process_group_ranks(group)
+    return f"#{_Issued.count}, {op}{unit} over ranks {ranks}: {numel} x {dtype}"
+
+
 def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str) -> None:
-    """Record the collective for `record()` and, on a checked group, compare it across ranks."""
+    """Count the collective as the last issued, record it for `record()` and, on a checked
+    group, compare it across ranks."""
+    chaos.point()
+    _Issued.count += 1
+    _Issued.last = (op, what, tensor.numel(), tensor.dtype, group)
     if _recording:
         entry = Record(op, tuple(dist.get_process_group_ranks(group)), tensor.numel(), tensor.dtype)
         for log in _recording:
@@ -202,6 +228,7 @@ def _failed(
     unit = f" of unit {what!r}" if what else ""
     return CollectiveError(
         f"rank {dist.get_rank()}: {op}{unit} over ranks {ranks} did not complete: {cause}\n"
+        f"The last collective this rank issued: {last_issued()}.\n"
         f"The other ranks of the group did not join it in time: one died or hung, or the "
         f"ranks took different paths (e.g. batch shapes that change which units run). "
         f"Mesh(timeout=...) bounds the wait; Mesh(check_collectives=True) (or "
@@ -292,6 +319,11 @@ def _device_of(group: ProcessGroup) -> torch.device:
         if "nccl" in backend
         else torch.device("cpu")
     )
+
+
+def global_rank() -> int:
+    """This process's rank in the default group (0 when there is none)."""
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def group_rank(group: ProcessGroup) -> int:

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcshard import collectives
+from funcshard import chaos, collectives
 from funcshard.layout import FlatLayout, frozen_ranges, param_views
 from funcshard.mesh import Mesh
 from funcshard.precision import MixedPrecision, gather_dtype, reduce_dtype
@@ -185,6 +185,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         spec: GatherSpec = ctx.spec
+        chaos.point()
         if _legacy_batched(grads):
             raise ValueError(
                 f"funcshard: unit {spec.flat.unit!r}: batched gradients through a sharded "
@@ -346,6 +347,7 @@ class _DeferWait(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
+        chaos.point()
         if torch.is_grad_enabled():
             return grad.to(ctx.shard_dtype), None  # a synchronous backward reduced already
         return _THROTTLE.wait(grad).to(ctx.shard_dtype), None

@@ -42,6 +42,8 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
+from funcshard import chaos
+
 
 class Reentry(Protocol):
     """How one finished call puts its tensors back into its model for a recomputation."""
@@ -137,6 +139,7 @@ def recomputing(ran: list[_Call]) -> Iterator[None]:
     entered: list[tuple[nn.Module, Reentry, object]] = []
 
     def before(module: nn.Module, args: object) -> None:
+        chaos.point()
         if id(module) in _INSIDE.get():
             return
         calls = [c for c in ran if id(module) in c.module_ids]
@@ -145,6 +148,7 @@ def recomputing(ran: list[_Call]) -> Iterator[None]:
             entered.append((module, reentry, reentry.enter(module)))
 
     def after(module: nn.Module, args: object, output: object) -> None:
+        chaos.point()
         if entered and entered[-1][0] is module:
             _, reentry, token = entered.pop()
             reentry.exit(token)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from funcshard import collectives
+from funcshard import chaos, collectives
 
 if TYPE_CHECKING:
     from funcshard.sharded_call import _Run
@@ -65,6 +65,7 @@ class Regather:
         self.unfinished[unit] = self.unfinished.get(unit, 0) + 1
 
         def reduced(grads: object) -> None:
+            chaos.point()
             alive = regather()
             if alive is not None:
                 alive.unfinished[unit] -= 1
@@ -86,6 +87,7 @@ class Regather:
             self.owner_of.pop(id(tensor), None)
 
     def pack(self, tensor: Tensor) -> Any:
+        chaos.point()
         owner = self.owner_of.get(id(tensor if tensor._base is None else tensor._base))
         if (
             owner is None  # not a gathered buffer
@@ -98,6 +100,7 @@ class Regather:
         return _Handle(owner[0], owner[1], tensor)
 
     def unpack(self, packed: Any) -> Tensor:
+        chaos.point()
         if not isinstance(packed, _Handle):
             return packed
         flats = self.gathered(packed.unit)

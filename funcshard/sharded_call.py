@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from funcshard import collectives, compiled, gather, recompute
+from funcshard import chaos, collectives, compiled, gather, recompute
 from funcshard.binding import Binding, Slot, bind, get_slot, restore_slots, save_slots, set_slot
 from funcshard.layout import param_views
 from funcshard.module import call as call_on_dict
@@ -469,6 +469,7 @@ def _install_hooks(binding: Binding, run: _Run) -> list[Any]:
 
 def _relink_hook(run: _Run, units: tuple[int, ...]) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any) -> None:
+        chaos.point()
         for unit in units:
             run.relink(unit)
 
@@ -477,6 +478,7 @@ def _relink_hook(run: _Run, units: tuple[int, ...]) -> Callable[..., None]:
 
 def _pre_hook(run: _Run, unit: int) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any) -> None:
+        chaos.point()
         run.enter(unit)
 
     return hook
@@ -484,6 +486,7 @@ def _pre_hook(run: _Run, unit: int) -> Callable[..., None]:
 
 def _post_hook(run: _Run, unit: int) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
+        chaos.point()
         run.leave(unit)
 
     return hook

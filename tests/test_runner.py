@@ -75,7 +75,8 @@ def test_a_hang_fails_within_the_timeout_naming_the_rank_and_where_it_waited():
     assert time.perf_counter() - start < 10
     message = str(info.value)
     assert "ranks [1] did not finish within 2 s (finished: [0])" in message
-    assert "rank 1 was waiting in" in message and "barrier" in message
+    assert "rank 1 (last collective issued: none yet) was waiting in" in message
+    assert "barrier" in message
     assert testing.run(_sum_of_ranks, world_size=2) == [(0, 3.0), (1, 3.0)]  # fresh pool
 
 
@@ -117,3 +118,42 @@ def test_a_timeout_while_ranks_start_is_still_a_timeout_and_leaves_no_pool():
     with pytest.raises(TimeoutError, match="did not finish"):  # no other test uses 5 ranks
         testing.run(_pid, world_size=5, timeout=0.01)
     assert testing.run(_num_threads, world_size=5) == [1] * 5
+
+
+def _rank1_skips_the_reduce(rank: int) -> None:
+    """A sharded step in which rank 1 skips every unit's reduce-scatter (reduce=False), then
+    waits elsewhere: rank 0 hangs in the reduce-scatter of the last unit."""
+
+    import funcshard as fs
+    from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block}))
+    state = fs.shard(model, plan, fs.Mesh(shard=2), reshard_after_forward=False)
+    x, y = random_tokens(model.cfg, 2, seed=rank)
+
+    def loss(state, x, y):
+        logits = fs.call(model, state, x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    fs.value_and_grad(loss, reduce=rank == 0)(state, x, y)
+    time.sleep(600)
+
+
+@pytest.mark.timeout(25)
+def test_a_hang_in_a_step_is_reported_by_the_runner_before_pytest_timeout():
+    """The runner's timeout (120 s asked) is capped below the test's pytest-timeout (25 s), so
+    its report, with each rank's stack and last collective, is what fails the test."""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        testing.run(_rank1_skips_the_reduce, world_size=2, timeout=120, fresh=True)
+    report = str(info.value)
+    assert time.monotonic() - start < 25
+    assert "ranks [0, 1] did not finish" in report
+    assert "rank 0 (last collective issued: #" in report
+    assert "reduce_scatter of unit 'blocks.1'" in report  # rank 0 waits in it
+    assert "rank 1 (last collective issued: #" in report
+    assert "all_gather of unit 'blocks.1'" in report  # rank 1's last: forward's gather
+    assert "in _finish_last" in report  # rank 0's stack: the reduce it waits for
+    assert "in _rank1_skips_the_reduce" in report  # rank 1's: where it sleeps

@@ -32,6 +32,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from funcshard import collectives
 from funcshard.mesh import shutdown
 
 T = TypeVar("T")
@@ -67,6 +69,7 @@ def run(
     """
     if world_size < 1:
         raise ValueError(f"testing.run: world_size must be at least 1, got {world_size}.")
+    timeout = _within_test_deadline(timeout)
     if fresh:
         pool = WorkerPool(world_size, backend)
         try:
@@ -86,6 +89,20 @@ def run(
         if not pool.alive():
             _POOLS.pop(key, None)
         raise
+
+
+DEADLINE: float | None = None  # when the running test's pytest-timeout fires (pytest_plugin)
+DEADLINE_MARGIN = 5.0  # seconds left for the report: ask for the stacks, kill the pool
+
+
+def _within_test_deadline(timeout: float) -> float:
+    """`timeout`, capped to end `DEADLINE_MARGIN` seconds before the running test's
+    pytest-timeout, so that the runner's report (every rank's stack and last collective)
+    reaches the user instead of pytest-timeout's."""
+    if DEADLINE is None:
+        return timeout
+    left = DEADLINE - time.monotonic() - DEADLINE_MARGIN
+    return max(min(timeout, left), min(timeout, 1.0))
 
 
 class RankDied(RuntimeError):
@@ -111,18 +128,30 @@ class WorkerPool:
         self._stack_dir = tempfile.mkdtemp(prefix="funcshard-ranks-")
         ctx = _context(start_method)
         self._conns: list[Connection] = []
+        self._probes: list[Connection] = []  # ask a rank for its last collective
         self._procs: list[mp.process.BaseProcess] = []
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
+            probe_end, probe_child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, backend, self._store.port, child_end, self._stack_dir),
+                args=(
+                    rank,
+                    world_size,
+                    backend,
+                    self._store.port,
+                    child_end,
+                    probe_child,
+                    self._stack_dir,
+                ),
                 name=f"funcshard-rank{rank}",
                 daemon=True,
             )
             proc.start()
             child_end.close()
+            probe_child.close()
             self._conns.append(parent_end)
+            self._probes.append(probe_end)
             self._procs.append(proc)
 
     def alive(self) -> bool:
@@ -183,11 +212,15 @@ class WorkerPool:
         self, name: str, timeout: float, pending: list[int], replies: dict[int, tuple[Any, ...]]
     ) -> TimeoutError:
         try:
+            last = self._last_collectives(pending)
             stacks = self._stacks(pending)
         finally:
             self.close(kill=True)
         finished = [r for r in range(self.world_size) if r not in pending]
-        where = "\n".join(f"--- rank {r} was waiting in:\n{stacks[r]}" for r in pending)
+        where = "\n".join(
+            f"--- rank {r} (last collective issued: {last[r]}) was waiting in:\n{stacks[r]}"
+            for r in pending
+        )
         error = TimeoutError(
             f"testing.run({name}, world_size={self.world_size}): ranks {pending} did not finish "
             f"within {timeout:g} s (finished: {finished}). A rank is usually stuck in a "
@@ -210,6 +243,22 @@ class WorkerPool:
         )
         return _with_rank_cause(error, replies, name, self.world_size)
 
+    def _last_collectives(self, ranks: list[int]) -> dict[int, str]:
+        """Ask each rank which collective it issued last (a thread of the rank answers while
+        its main thread waits)."""
+        for r in ranks:
+            with contextlib.suppress(OSError):
+                self._probes[r].send_bytes(b"?")
+        last = {}
+        deadline = time.monotonic() + 2.0
+        for r in ranks:
+            try:
+                answered = self._probes[r].poll(max(0.0, deadline - time.monotonic()))
+                last[r] = self._probes[r].recv_bytes().decode() if answered else "(no answer)"
+            except (OSError, EOFError):
+                last[r] = "(no answer: the rank is gone)"
+        return last
+
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask each rank for its Python stack (faulthandler on SIGUSR1) and read it back."""
         for r in ranks:
@@ -231,7 +280,7 @@ class WorkerPool:
         if kill:  # before closing the pipes, which would start a polite shutdown
             for proc in self._procs:
                 proc.kill()
-        for conn in self._conns:
+        for conn in self._conns + self._probes:
             conn.close()
         for proc in self._procs:
             proc.join(5.0)
@@ -325,11 +374,19 @@ def _rank_exception(
 
 
 def _worker_main(
-    rank: int, world_size: int, backend: str, port: int, conn: Connection, stack_dir: str
+    rank: int,
+    world_size: int,
+    backend: str,
+    port: int,
+    conn: Connection,
+    probe: Connection,
+    stack_dir: str,
 ) -> None:
     """A rank's life: join the process group, then run functions until the pipe closes."""
     stack_file = open(os.path.join(stack_dir, f"rank{rank}.stack"), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable(all_threads=True)  # a crash (signal 11) prints every thread's stack
+    threading.Thread(target=_answer_probes, args=(probe,), daemon=True).start()
     torch.set_num_threads(1)  # 2 cores shared by all ranks: default threading is 3-10x slower
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -345,6 +402,16 @@ def _worker_main(
         conn.send_bytes(_run_task(rank, payload))
     with contextlib.suppress(RuntimeError):  # a rank already gone: nothing to leave cleanly
         shutdown(timedelta(seconds=5))
+
+
+def _answer_probes(probe: Connection) -> None:
+    """Tell the parent which collective this rank issued last, whenever it asks."""
+    while True:
+        try:
+            probe.recv_bytes()
+            probe.send_bytes(collectives.last_issued().encode())
+        except (EOFError, OSError):
+            return
 
 
 def _run_task(rank: int, payload: bytes) -> bytes:

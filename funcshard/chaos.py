@@ -1,0 +1,77 @@
+"""Chaos for tests: random per-rank delays and garbage collections wherever funcshard issues or
+waits on a collective, and in every autograd function and hook it installs.
+
+[Note: chaos]
+Whether every rank issues the same collectives in the same order must not depend on timing:
+not on how long a rank's compute takes, nor on when Python's garbage collector runs (which
+decides when objects die, when weak references clear and when an `id()` is reused). Chaos
+makes those differ between ranks on purpose: at each `point`, a rank sleeps a random few
+milliseconds and sometimes runs `gc.collect()`, drawn from a generator seeded by the seed and
+the rank, so a failing run repeats. Tests turn it on with `funcshard.testing.chaos(seed)`, a
+job with `FUNCSHARD_CHAOS=<seed>`; off, a point costs one global lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Chaos:
+    """How much disorder to inject: the chance of a delay (up to `max_delay` seconds) and of
+    a garbage collection at each point, drawn per rank from `seed`."""
+
+    seed: int
+    delay_chance: float = 0.3
+    max_delay: float = 0.003
+    gc_chance: float = 0.05
+    points: int = 0  # how many points were hit (tests check that chaos ran)
+    _rng: random.Random | None = field(default=None, repr=False)
+
+    def hit(self) -> None:
+        if self._rng is None:  # the rank is known only once the process group is up
+            from funcshard.collectives import global_rank  # which imports this module
+
+            rank = global_rank()
+            self._rng = random.Random(f"{self.seed}/{rank}")
+        self.points += 1
+        rng = self._rng
+        if rng.random() < self.gc_chance:
+            gc.collect()
+        if rng.random() < self.delay_chance:
+            time.sleep(rng.random() * self.max_delay)
+
+
+_active: Chaos | None = None
+
+
+def point() -> None:
+    """A place where timing may differ between ranks: under chaos, maybe wait or collect."""
+    if _active is not None:
+        _active.hit()
+
+
+@contextlib.contextmanager
+def chaos(seed: int = 0, **options: float) -> Iterator[Chaos]:
+    """Inject seeded per-rank delays and garbage collections inside the block (see [Note:
+    chaos]); `options` are `Chaos`'s fields (delay_chance, max_delay, gc_chance)."""
+    global _active
+    before, _active = _active, Chaos(seed, **options)
+    try:
+        yield _active
+    finally:
+        _active = before
+
+
+def _from_environment() -> Chaos | None:
+    seed = os.environ.get("FUNCSHARD_CHAOS")
+    return Chaos(int(seed)) if seed else None
+
+
+_active = _from_environment()
