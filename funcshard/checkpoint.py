@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +29,7 @@ import optree
 import torch
 from torch import Tensor
 
-from funcshard import collectives
+from funcshard import collectives, integrity
 from funcshard.layout import FlatLayout, Layout
 from funcshard.state import ShardedState, ensure_live
 from funcshard.tree import format_names
@@ -42,12 +44,20 @@ def save(
     opt_state: Any = None,
     step: int | None = None,
     extra: dict | None = None,
+    keep: int | None = None,
+    checksums: bool = True,
 ) -> str:
     """Save the state (and optimizer state, step, JSON-able `extra`) under directory `path`.
 
-    Returns the directory written. Communicates: DCP's collective save plus barriers.
+    With `checksums` (the default) every chunk's CRC-32 is recorded for `load` and `verify`
+    to check (see [Note: checkpoint integrity]). `keep=N` then deletes the checkpoints older
+    than the last N complete ones, never the one LATEST names.
+    Returns the directory written. Communicates: DCP's collective save, one all-gather of
+    the checksums, barriers.
     """
     ensure_live(state, "checkpoint.save")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"funcshard.checkpoint.save: keep must be an int >= 1, got {keep!r}.")
     try:  # on every rank, before any collective: a late failure on one rank would hang
         meta = json.dumps({"step": step, "extra": extra})
     except TypeError as e:
@@ -66,15 +76,58 @@ def save(
     name = f"step-{step}-{index}" if step is not None else f"save-{index}"
     target = os.path.join(root, name)
     collectives.dcp_save(_to_dcp(state, opt_state), target)
+    chunk_records = _checksummed(target, group) if checksums else None
     if first:
         with open(os.path.join(target, META), "w") as f:
             f.write(meta)
+        if chunk_records is not None:  # before the commit: LATEST never names a dir without
+            integrity.write(target, chunk_records, (integrity.DCP_METADATA, META))
         pointer = os.path.join(root, LATEST + ".tmp")
         with open(pointer, "w") as f:
             f.write(name)
         os.replace(pointer, os.path.join(root, LATEST))  # the commit point
+        if keep is not None:
+            _retire(root, name, keep)
     collectives.barrier(group, _TIMEOUT)
     return target
+
+
+def _checksummed(target: str, group: Any) -> list[dict]:
+    """Every chunk's checksum record, each rank computing its share (all ranks get all)."""
+    share, shares = collectives.group_rank(group), group.size()
+    try:
+        mine: Any = integrity.checksum_share(target, share, shares)
+    except Exception as e:  # reported on every rank below, never a hang
+        mine = f"rank {collectives.global_rank()}: {type(e).__name__}: {e}"
+    shares_ = collectives.all_gather_object(mine, group)
+    failed = [s for s in shares_ if isinstance(s, str)]
+    if failed:
+        raise OSError(
+            f"funcshard.checkpoint.save: could not checksum what was written to {target!r}: "
+            f"{'; '.join(failed)}. LATEST still names the previous checkpoint."
+        )
+    return [record for records in shares_ for record in records]
+
+
+def _retire(root: str, latest: str, keep: int) -> None:
+    """Delete checkpoints older than the last `keep` complete ones (never `latest`)."""
+    saves = sorted(
+        (index, name) for name in os.listdir(root) if (index := _index(name)) is not None
+    )
+    complete = [name for _, name in saves if os.path.exists(os.path.join(root, name, META))]
+    kept = set(complete[-keep:]) | {latest}
+    oldest_kept = min(_index(name) for name in kept)
+    for index, name in saves:
+        if index < oldest_kept and name not in kept:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _index(name: str) -> int | None:
+    """The save counter in a checkpoint directory's name (`step-<s>-<k>` or `save-<k>`)."""
+    head, _, tail = name.rpartition("-")
+    if head.startswith(("step-", "save")) and tail.isdigit():
+        return int(tail)
+    return None
 
 
 def load(path: str | os.PathLike, like: tuple[ShardedState, Any]) -> tuple[Any, Any, Any, Any]:
@@ -85,16 +138,85 @@ def load(path: str | os.PathLike, like: tuple[ShardedState, Any]) -> tuple[Any, 
     """
     state, opt_state = like
     directory = _latest(os.fspath(path))
+    _verified(directory, state.layout.mesh.group)
     template = _to_dcp(state, opt_state, zeros=True)
     _check_keys(directory, template)
-    collectives.dcp_load(template, directory)
+    try:
+        collectives.dcp_load(template, directory)
+    except Exception as e:  # DCP gathers every rank's read errors: all ranks raise here
+        raise integrity.CheckpointCorrupted(
+            f"funcshard.checkpoint.load: {directory!r} could not be read "
+            f"({type(e).__name__}: {_first_line(e)}). Its files are damaged or incomplete. "
+            f"{_previous_hint(directory)}"
+        ) from None
     new_state, new_opt = _from_dcp(state, opt_state, template)
     with open(os.path.join(directory, META)) as f:
         meta = json.load(f)
     return new_state, new_opt, meta["step"], meta["extra"]
 
 
+def verify(path: str | os.PathLike) -> integrity.Report:
+    """Check the checkpoint LATEST names under `path` (or the checkpoint directory `path`)
+    byte for byte against its checksums, offline: no process group needed."""
+    return integrity.verify(_latest(os.fspath(path)))
+
+
 _TIMEOUT = timedelta(minutes=5)
+
+
+def _verified(directory: str, group: Any) -> None:
+    """Check the checkpoint's bytes against its checksums before anything reads them: each
+    rank its share of the chunks; every rank raises if any rank found a mismatch."""
+    share, shares = collectives.group_rank(group), group.size()
+    try:
+        record = integrity.read(directory)
+        if record is None:
+            found: Any = None
+        else:
+            found = integrity.check_files(directory, record) + integrity.check_chunks(
+                directory, record, share, shares
+            )
+    except Exception as e:  # reported on every rank below, never a hang
+        found = [f"{directory}: {type(e).__name__}: {e}"]
+    everyone = collectives.all_gather_object(found, group)
+    if any(f is None for f in everyone):
+        warnings.warn(
+            f"funcshard.checkpoint.load: {directory!r} was saved without checksums (before "
+            f"funcshard wrote them), so its bytes are not verified.",
+            stacklevel=3,
+        )
+        return
+    problems = sorted({p for f in everyone for p in f})
+    if problems:
+        listed = "\n  ".join(problems)
+        raise integrity.CheckpointCorrupted(
+            f"funcshard.checkpoint.load: {directory!r} is corrupted; nothing was loaded:\n  "
+            f"{listed}\n{_previous_hint(directory)}"
+        )
+
+
+def _previous_hint(directory: str) -> str:
+    """What to do instead: load the newest complete checkpoint before `directory`."""
+    root, name = os.path.split(os.path.normpath(directory))
+    index = _index(name)
+    older = sorted(
+        (i, n)
+        for n in os.listdir(root)
+        if (i := _index(n)) is not None
+        and (index is None or i < index)
+        and os.path.exists(os.path.join(root, n, META))
+    )
+    if not older:
+        return "There is no earlier complete checkpoint under it to load instead."
+    previous = os.path.join(root, older[-1][1])
+    return (
+        f"Load the previous checkpoint instead: funcshard.checkpoint.load({previous!r}, "
+        f"like=...), and check it with `funcshard checkpoint verify {previous}`."
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else ""
 
 
 def _count_entries(root: str, group: Any) -> int:
@@ -103,6 +225,9 @@ def _count_entries(root: str, group: Any) -> int:
 
 
 def _latest(root: str) -> str:
+    """The checkpoint LATEST names under `root`, or `root` itself if it is a checkpoint."""
+    if os.path.exists(os.path.join(root, integrity.DCP_METADATA)):
+        return root
     pointer = os.path.join(root, LATEST)
     if not os.path.isfile(pointer):
         raise FileNotFoundError(

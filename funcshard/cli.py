@@ -1,6 +1,7 @@
 """The `funcshard` command: `funcshard demo` trains a small GPT on local ranks and checks it;
 `funcshard plan MODULE:FACTORY --world-size N` plans a model built on the meta device and
-prints the memory and traffic each rank needs, without allocating it.
+prints the memory and traffic each rank needs, without allocating it; `funcshard checkpoint
+verify PATH` checks a checkpoint's bytes against its checksums, offline.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from tabulate import tabulate
 from torch import nn
 
+from funcshard import checkpoint
 from funcshard.demo import add_arguments as add_demo_arguments
 from funcshard.demo import from_arguments as demo_config
 from funcshard.demo import run as run_demo
@@ -39,10 +41,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo = commands.add_parser("demo", help="train a small GPT on local ranks and check it")
     add_demo_arguments(demo)
+    checkpoints = commands.add_parser("checkpoint", help="check a saved checkpoint")
+    actions = checkpoints.add_subparsers(dest="action", required=True)
+    verifier = actions.add_parser("verify", help="check every byte against its checksums")
+    verifier.add_argument("path", help="a checkpoint directory, or the root LATEST is in")
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run_demo(demo_config(args))
+    if args.command == "checkpoint":
+        return _verify_command(args.path)
     return _plan_command(args)
+
+
+def _verify_command(path: str) -> int:
+    report = checkpoint.verify(path)
+    print(f"{report.directory}:")
+    for line in report.lines:
+        print(f"  {line}")
+    for problem in report.problems:
+        print(f"  {problem}")
+    if not report.verified:
+        print("not verified: saved without checksums")
+        return 1
+    print("verified: every byte matches" if report.ok else f"{len(report.problems)} problems")
+    return 0 if report.ok else 1
 
 
 def _plan_command(args: argparse.Namespace) -> int:

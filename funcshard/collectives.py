@@ -377,6 +377,15 @@ def dcp_sizes(directory: str) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
 
 
+def dcp_storage(directory: str) -> list[tuple[str, tuple[int, ...], str, int, int]]:
+    """Where DCP wrote each chunk: (FQN, chunk offset, file, byte offset, byte length)."""
+    metadata = _safe_reader(directory).read_metadata()
+    return [
+        (index.fqn, tuple(index.offset or ()), info.relative_path, info.offset, info.length)
+        for index, info in metadata.storage_data.items()
+    ]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's metadata file and nothing else: weights_only semantics for metadata.
 
