@@ -72,7 +72,7 @@ def save(
         os.makedirs(root, exist_ok=True)
     collectives.barrier(group, _TIMEOUT)
     # a fresh name every time: the directory LATEST names is never touched by a later save
-    index = _count_entries(root, group)
+    index = _next_index(root, group)
     name = f"step-{step}-{index}" if step is not None else f"save-{index}"
     target = os.path.join(root, name)
     collectives.dcp_save(_to_dcp(state, opt_state), target)
@@ -130,15 +130,21 @@ def _index(name: str) -> int | None:
     return None
 
 
-def load(path: str | os.PathLike, like: tuple[ShardedState, Any]) -> tuple[Any, Any, Any, Any]:
-    """Load the latest complete save under `path` into the layout of `like=(state, opt_state)`.
+def load(
+    path: str | os.PathLike, like: tuple[ShardedState, Any], verify: bool = True
+) -> tuple[Any, Any, Any, Any]:
+    """Load the latest complete save under `path` (or the checkpoint directory `path`) into
+    the layout of `like=(state, opt_state)`.
 
     Returns `(state, opt_state, step, extra)`. Works across world sizes, meshes and plans.
-    Communicates: DCP's collective load.
+    With `verify` (the default) every byte is first checked against the save's checksums,
+    and a mismatch raises `CheckpointCorrupted` on every rank (see [Note: checkpoint
+    integrity]). Communicates: one all-gather of what the checks found, DCP's collective load.
     """
     state, opt_state = like
     directory = _latest(os.fspath(path))
-    _verified(directory, state.layout.mesh.group)
+    if verify:
+        _verified(directory, state.layout.mesh.group)
     template = _to_dcp(state, opt_state, zeros=True)
     _check_keys(directory, template)
     try:
@@ -219,9 +225,13 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else ""
 
 
-def _count_entries(root: str, group: Any) -> int:
-    """How many entries `root` holds, as the first rank sees them (so all pick one name)."""
-    return collectives.all_gather_ints([len(os.listdir(root))], group)[0][0]
+def _next_index(root: str, group: Any) -> int:
+    """A save counter above every checkpoint's under `root` (retention deletes old ones, so a
+    count of entries could repeat a live name), as the first rank sees them."""
+    names = os.listdir(root)
+    used = [i for name in names if (i := _index(name)) is not None]
+    index = max([*used, len(names) - 1]) + 1
+    return collectives.all_gather_ints([index], group)[0][0]
 
 
 def _latest(root: str) -> str:

@@ -153,6 +153,21 @@ def _saves_keeping(path: str, keep: int, steps: list[int], rank: int) -> list[st
     return sorted(os.listdir(path))
 
 
+def _saved_names(path: str, rank: int) -> list[str]:
+    state, opt_state = _setup(0)
+    return [os.path.basename(checkpoint.save(path, state, opt_state, keep=1)) for _ in range(4)]
+
+
+def test_saves_with_keep_never_reuse_the_name_latest_points_to(tmp_path):
+    """Retention shrinks the directory, so names cannot come from a count of its entries:
+    the next save would overwrite the checkpoint LATEST names."""
+    path = str(tmp_path / "run")
+    names = testing.run(functools.partial(_saved_names, path), world_size=2)[0]
+    assert len(set(names)) == 4, names
+    assert sorted(os.listdir(path)) == sorted([checkpoint.LATEST, names[-1]])
+    assert integrity.verify(_latest_dir(path)).ok
+
+
 def _dies_while_saving(path: str, rank: int) -> None:
     """Rank 1 dies after DCP wrote its files, before the checksums and the commit."""
     state, opt_state = _setup(0)
