@@ -72,6 +72,7 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         )
     flat_of = {fqn: i for i, flat in enumerate(layout.flats) for fqn in flat.fqns}
     shape_of = dict(zip(layout.fqns, (s for f in layout.flats for s in f.shapes), strict=True))
+    _check_shapes(model, layout, shape_of, flat_of)
     units = layout.units
     unit_of_flat = [units.index(flat.unit) for flat in layout.flats]
     slots_by_unit: list[list[tuple[Slot, str]]] = [[] for _ in units]
@@ -144,6 +145,31 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
 def has_forward(module: nn.Module) -> bool:
     """False for containers (ModuleList, ModuleDict) whose forward is never called."""
     return type(module).forward is not nn.Module.forward
+
+
+def _check_shapes(
+    model: nn.Module, layout: Layout, shape_of: dict[str, tuple[int, ...]], flat_of: dict
+) -> None:
+    """Every sharded parameter of `model` has the shape and dtype the state holds for it
+    (checked once per binding, before any collective): a state from a model of another
+    width would otherwise run, or fail deep inside an op."""
+    wrong = []
+    for fqn, p in model.named_parameters():
+        if fqn not in shape_of:
+            continue  # replicated: its tensor comes from the state whole
+        flat = layout.flats[flat_of[fqn]]
+        if tuple(p.shape) != tuple(shape_of[fqn]) or p.dtype != flat.dtype:
+            wrong.append(
+                f"{fqn!r}: the model has {tuple(p.shape)} {p.dtype}, the state "
+                f"{tuple(shape_of[fqn])} {flat.dtype}"
+            )
+    if wrong:
+        raise ValueError(
+            f"funcshard.call: the state was sharded from another {type(model).__name__} "
+            f"(parameters of other shapes or dtypes): {'; '.join(wrong[:5])}"
+            f"{f'; and {len(wrong) - 5} more' if len(wrong) > 5 else ''}. Call the model the "
+            f"state was sharded from, or shard this one (funcshard.shard)."
+        )
 
 
 def _module_or_none(model: nn.Module, name: str) -> nn.Module | None:

@@ -193,6 +193,37 @@ def test_a_state_used_with_another_model_is_named():
         testing.run(_wrong_model, world_size=2)
 
 
+def _call_another_shape(case: str, rank: int) -> str:
+    torch.manual_seed(0)
+    if case == "linear":
+        state = fs.shard(nn.Linear(8, 8), fs.plan(nn.Linear(8, 8)), fs.Mesh(shard=2))
+        model, x = nn.Linear(8, 16), torch.randn(2, 8)
+    else:
+        narrow = GPT(GPTConfig(d_model=32))
+        state = fs.shard(narrow, fs.plan(narrow, policy=BLOCKS), fs.Mesh(shard=2))
+        model, x = GPT(GPTConfig(d_model=64)), torch.tensor([[1, 2]])
+    with collectives.record() as issued:
+        try:
+            fs.call(model, state, x)
+        except ValueError as e:
+            assert not issued  # refused before any collective
+            return str(e)
+    return "ran"
+
+
+@pytest.mark.parametrize("case", ["linear", "gpt"])
+def test_a_state_from_a_model_of_other_shapes_is_refused_naming_the_parameter(case):
+    """flax's ScopeParamShapeError: a Linear(8, 16) must not run, or train, on the state of a
+    Linear(8, 8), nor a wider GPT fail deep inside layer_norm."""
+    for message in testing.run(functools.partial(_call_another_shape, case), world_size=2):
+        assert "the state was sharded from another" in message, message
+        expected = {
+            "linear": "'weight': the model has (16, 8) torch.float32, the state (8, 8)",
+            "gpt": "'wte.weight': the model has (61, 64) torch.float32, the state (61, 32)",
+        }
+        assert expected[case] in message, message
+
+
 def _explicit_prefetch_trace(rank: int) -> tuple:
     from funcshard import sharded_call
 
