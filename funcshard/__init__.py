@@ -9,6 +9,7 @@ from funcshard.autodiff import grad as grad
 from funcshard.autodiff import value_and_grad as value_and_grad
 from funcshard.collectives import CollectiveError as CollectiveError
 from funcshard.finite import NonFiniteError as NonFiniteError
+from funcshard.integrity import CheckpointCorrupted as CheckpointCorrupted
 from funcshard.layout import FlatLayout as FlatLayout
 from funcshard.layout import Layout as Layout
 from funcshard.mesh import Mesh as Mesh
@@ -40,6 +41,7 @@ from funcshard.transforms import unshard_async as unshard_async
 
 __all__ = [
     "Bucket",
+    "CheckpointCorrupted",
     "CollectiveError",
     "DonatedError",
     "FlatLayout",

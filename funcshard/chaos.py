@@ -58,11 +58,14 @@ def point() -> None:
 
 
 @contextlib.contextmanager
-def chaos(seed: int = 0, **options: float) -> Iterator[Chaos]:
+def chaos(
+    seed: int = 0, delay_chance: float = 0.3, max_delay: float = 0.003, gc_chance: float = 0.05
+) -> Iterator[Chaos]:
     """Inject seeded per-rank delays and garbage collections inside the block (see [Note:
-    chaos]); `options` are `Chaos`'s fields (delay_chance, max_delay, gc_chance)."""
+    chaos]): at each point, a sleep of up to `max_delay` seconds with `delay_chance`, and a
+    `gc.collect()` with `gc_chance`."""
     global _active
-    before, _active = _active, Chaos(seed, **options)
+    before, _active = _active, Chaos(seed, delay_chance, max_delay, gc_chance)
     try:
         yield _active
     finally:
@@ -71,7 +74,13 @@ def chaos(seed: int = 0, **options: float) -> Iterator[Chaos]:
 
 def _from_environment() -> Chaos | None:
     seed = os.environ.get("FUNCSHARD_CHAOS")
-    return Chaos(int(seed)) if seed else None
+    if not seed:
+        return None
+    if not seed.lstrip("-").isdigit():
+        raise ValueError(
+            f"FUNCSHARD_CHAOS must be an integer seed (e.g. FUNCSHARD_CHAOS=1), got {seed!r}."
+        )
+    return Chaos(int(seed))
 
 
 _active = _from_environment()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 from datetime import timedelta
@@ -30,6 +31,8 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives, integrity
+from funcshard.integrity import CheckpointCorrupted as CheckpointCorrupted
+from funcshard.integrity import Report as Report
 from funcshard.layout import FlatLayout, Layout
 from funcshard.state import ShardedState, ensure_live
 from funcshard.tree import format_names
@@ -59,7 +62,7 @@ def save(
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"funcshard.checkpoint.save: keep must be an int >= 1, got {keep!r}.")
     try:  # on every rank, before any collective: a late failure on one rank would hang
-        meta = json.dumps({"step": step, "extra": extra})
+        meta = json.dumps({"step": step, "extra": extra, "checksums": checksums})
     except TypeError as e:
         raise TypeError(
             f"funcshard.checkpoint.save: step and extra must be JSON values (numbers, "
@@ -77,19 +80,32 @@ def save(
     target = os.path.join(root, name)
     collectives.dcp_save(_to_dcp(state, opt_state), target)
     chunk_records = _checksummed(target, group) if checksums else None
+    failed = None
     if first:
-        with open(os.path.join(target, META), "w") as f:
-            f.write(meta)
-        if chunk_records is not None:  # before the commit: LATEST never names a dir without
-            integrity.write(target, chunk_records, (integrity.DCP_METADATA, META))
-        pointer = os.path.join(root, LATEST + ".tmp")
-        with open(pointer, "w") as f:
-            f.write(name)
-        os.replace(pointer, os.path.join(root, LATEST))  # the commit point
-        if keep is not None:
-            _retire(root, name, keep)
-    collectives.barrier(group, _TIMEOUT)
+        try:  # a failure here must reach every rank, not leave them waiting in a barrier
+            _commit(root, name, meta, chunk_records, keep)
+        except Exception as e:
+            failed = f"{type(e).__name__}: {e}"
+    failed = collectives.all_gather_object(failed, group)[0]
+    if failed is not None:
+        raise OSError(f"funcshard.checkpoint.save: committing {target!r} failed: {failed}")
     return target
+
+
+def _commit(root: str, name: str, meta: str, chunk_records: list[dict] | None, keep: int | None):
+    """On the first rank: write funcshard.json and the checksums, point LATEST at `name`
+    (atomically: the commit point), then retire old checkpoints."""
+    target = os.path.join(root, name)
+    with open(os.path.join(target, META), "w") as f:
+        f.write(meta)
+    if chunk_records is not None:  # before the commit: LATEST never names a dir without
+        integrity.write(target, chunk_records, (integrity.DCP_METADATA, META))
+    pointer = os.path.join(root, LATEST + ".tmp")
+    with open(pointer, "w") as f:
+        f.write(name)
+    os.replace(pointer, os.path.join(root, LATEST))  # the commit point
+    if keep is not None:
+        _retire(root, name, keep)
 
 
 def _checksummed(target: str, group: Any) -> list[dict]:
@@ -112,22 +128,31 @@ def _checksummed(target: str, group: Any) -> list[dict]:
 def _retire(root: str, latest: str, keep: int) -> None:
     """Delete checkpoints older than the last `keep` complete ones (never `latest`)."""
     saves = sorted(
-        (index, name) for name in os.listdir(root) if (index := _index(name)) is not None
+        (index, name)
+        for name in os.listdir(root)
+        if (index := _index(name)) is not None and _written_by_save(os.path.join(root, name))
     )
     complete = [name for _, name in saves if os.path.exists(os.path.join(root, name, META))]
     kept = set(complete[-keep:]) | {latest}
-    oldest_kept = min(_index(name) for name in kept)
+    oldest_kept = min(i for i, name in saves if name in kept)
     for index, name in saves:
         if index < oldest_kept and name not in kept:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def _written_by_save(directory: str) -> bool:
+    """Whether a directory holds only what a save writes (never delete anything else)."""
+    if not os.path.isdir(directory):
+        return False
+    names = os.listdir(directory)
+    ours = {META, integrity.CHECKSUMS, integrity.DCP_METADATA}
+    return all(n in ours or (n.startswith("__") and n.endswith(".distcp")) for n in names)
+
+
 def _index(name: str) -> int | None:
     """The save counter in a checkpoint directory's name (`step-<s>-<k>` or `save-<k>`)."""
-    head, _, tail = name.rpartition("-")
-    if head.startswith(("step-", "save")) and tail.isdigit():
-        return int(tail)
-    return None
+    match = re.fullmatch(r"(?:step-(?:None|-?[0-9]+)|save)-([0-9]+)", name)
+    return int(match.group(1)) if match else None
 
 
 def load(
@@ -149,12 +174,12 @@ def load(
     _check_keys(directory, template)
     try:
         collectives.dcp_load(template, directory)
-    except Exception as e:  # DCP gathers every rank's read errors: all ranks raise here
+    except collectives.CheckpointReadError as e:  # DCP raises every rank's read errors on all
         raise integrity.CheckpointCorrupted(
             f"funcshard.checkpoint.load: {directory!r} could not be read "
-            f"({type(e).__name__}: {_first_line(e)}). Its files are damaged or incomplete. "
+            f"({_first_line(e)}). Its files are damaged or incomplete. "
             f"{_previous_hint(directory)}"
-        ) from None
+        ) from e
     new_state, new_opt = _from_dcp(state, opt_state, template)
     with open(os.path.join(directory, META)) as f:
         meta = json.load(f)
@@ -164,7 +189,11 @@ def load(
 def verify(path: str | os.PathLike) -> integrity.Report:
     """Check the checkpoint LATEST names under `path` (or the checkpoint directory `path`)
     byte for byte against its checksums, offline: no process group needed."""
-    return integrity.verify(_latest(os.fspath(path)))
+    directory = _latest(os.fspath(path), "verify")
+    if integrity.read(directory) is None and _saved_with_checksums(directory):
+        missing = f"{os.path.join(directory, integrity.CHECKSUMS)}: missing"
+        return integrity.Report(directory, (f"{integrity.CHECKSUMS}: missing",), (missing,), True)
+    return integrity.verify(directory)
 
 
 _TIMEOUT = timedelta(minutes=5)
@@ -176,8 +205,10 @@ def _verified(directory: str, group: Any) -> None:
     share, shares = collectives.group_rank(group), group.size()
     try:
         record = integrity.read(directory)
-        if record is None:
-            found: Any = None
+        if record is None and _saved_with_checksums(directory):
+            found: Any = [f"{os.path.join(directory, integrity.CHECKSUMS)}: missing"]
+        elif record is None:
+            found = None
         else:
             found = integrity.check_files(directory, record) + integrity.check_chunks(
                 directory, record, share, shares
@@ -187,8 +218,9 @@ def _verified(directory: str, group: Any) -> None:
     everyone = collectives.all_gather_object(found, group)
     if any(f is None for f in everyone):
         warnings.warn(
-            f"funcshard.checkpoint.load: {directory!r} was saved without checksums (before "
-            f"funcshard wrote them), so its bytes are not verified.",
+            f"funcshard.checkpoint.load: {directory!r} was saved without checksums "
+            f"(save(checksums=False), or before funcshard wrote them), so its bytes are not "
+            f"verified.",
             stacklevel=3,
         )
         return
@@ -201,6 +233,15 @@ def _verified(directory: str, group: Any) -> None:
         )
 
 
+def _saved_with_checksums(directory: str) -> bool:
+    """What funcshard.json says of the save (checkpoints before checksums do not say)."""
+    try:
+        with open(os.path.join(directory, META)) as f:
+            return bool(json.load(f).get("checksums", False))
+    except (OSError, ValueError):
+        return False
+
+
 def _previous_hint(directory: str) -> str:
     """What to do instead: load the newest complete checkpoint before `directory`."""
     root, name = os.path.split(os.path.normpath(directory))
@@ -209,7 +250,8 @@ def _previous_hint(directory: str) -> str:
         (i, n)
         for n in os.listdir(root)
         if (i := _index(n)) is not None
-        and (index is None or i < index)
+        and index is not None
+        and i < index
         and os.path.exists(os.path.join(root, n, META))
     )
     if not older:
@@ -234,18 +276,24 @@ def _next_index(root: str, group: Any) -> int:
     return collectives.all_gather_ints([index], group)[0][0]
 
 
-def _latest(root: str) -> str:
+def _latest(root: str, caller: str = "load") -> str:
     """The checkpoint LATEST names under `root`, or `root` itself if it is a checkpoint."""
     if os.path.exists(os.path.join(root, integrity.DCP_METADATA)):
         return root
     pointer = os.path.join(root, LATEST)
     if not os.path.isfile(pointer):
         raise FileNotFoundError(
-            f"funcshard.checkpoint.load: no complete checkpoint under {root!r} (no {LATEST} "
-            f"file). Save one with funcshard.checkpoint.save first."
+            f"funcshard.checkpoint.{caller}: no complete checkpoint under {root!r} (no "
+            f"{LATEST} file). Save one with funcshard.checkpoint.save first."
         )
     with open(pointer) as f:
-        return os.path.join(root, f.read().strip())
+        directory = os.path.join(root, f.read().strip())
+    if not os.path.isdir(directory):
+        raise integrity.CheckpointCorrupted(
+            f"funcshard.checkpoint.{caller}: {pointer} names {directory!r}, which is missing. "
+            f"{_previous_hint(directory)}"
+        )
+    return directory
 
 
 def _pieces(shard: Tensor, flat: FlatLayout, shard_rank: int) -> dict[str, tuple[int, Tensor]]:

@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _verify_command(path: str) -> int:
-    report = checkpoint.verify(path)
+    try:
+        report = checkpoint.verify(path)
+    except (FileNotFoundError, checkpoint.CheckpointCorrupted) as e:
+        print(e, file=sys.stderr)
+        return 2
     print(f"{report.directory}:")
     for line in report.lines:
         print(f"  {line}")

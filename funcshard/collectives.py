@@ -189,30 +189,39 @@ def all_reduced(tensor: Tensor, group: ProcessGroup, op: str = "avg") -> Tensor:
 
 
 class _Issued:
-    """How many collectives this process issued, and the last one: (op, unit, numel, dtype,
-    group), for the error that says where a rank stopped (see `last_issued`)."""
+    """The last collective this process issued, numbered: (count, op, unit, numel, dtype,
+    group), one tuple so a reader on another thread never sees half of an update."""
 
-    count = 0
-    last: tuple[str, str, int, torch.dtype, ProcessGroup] | None = None
+    last: tuple[int, str, str, int, torch.dtype, ProcessGroup] | None = None
 
 
 def last_issued() -> str:
-    """The last collective this process issued, numbered, in words ("none yet" before the
-    first): comparing it across ranks shows where their sequences parted."""
-    if _Issued.last is None:
+    """The last collective funcshard issued in this process, numbered, in words ("none yet"
+    before the first): compared across ranks, it shows where their sequences parted."""
+    last = _Issued.last
+    if last is None:
         return "none yet"
-    op, what, numel, dtype, group = _Issued.last
+    count, op, what, numel, dtype, group = last
     unit = f" of unit {what!r}" if what else ""
-    ranks = dist.get_process_group_ranks(group)
-    return f"#{_Issued.count}, {op}{unit} over ranks {ranks}: {numel} x {dtype}"
+    try:
+        ranks = f" over ranks {dist.get_process_group_ranks(group)}"
+    except Exception:  # the group was destroyed since
+        ranks = ""
+    return f"#{count}, {op}{unit}{ranks}: {numel} x {dtype}"
+
+
+def reset_issued() -> None:
+    """Number collectives from 1 again (the test runner does, per task, so that the ranks'
+    numbers compare)."""
+    _Issued.last = None
 
 
 def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str) -> None:
     """Count the collective as the last issued, record it for `record()` and, on a checked
     group, compare it across ranks."""
     chaos.point()
-    _Issued.count += 1
-    _Issued.last = (op, what, tensor.numel(), tensor.dtype, group)
+    count = _Issued.last[0] + 1 if _Issued.last is not None else 1
+    _Issued.last = (count, op, what, tensor.numel(), tensor.dtype, group)
     if _recording:
         entry = Record(op, tuple(dist.get_process_group_ranks(group)), tensor.numel(), tensor.dtype)
         for log in _recording:
@@ -228,7 +237,7 @@ def _failed(
     unit = f" of unit {what!r}" if what else ""
     return CollectiveError(
         f"rank {dist.get_rank()}: {op}{unit} over ranks {ranks} did not complete: {cause}\n"
-        f"The last collective this rank issued: {last_issued()}.\n"
+        f"The last funcshard collective this rank issued: {last_issued()}.\n"
         f"The other ranks of the group did not join it in time: one died or hung, or the "
         f"ranks took different paths (e.g. batch shapes that change which units run). "
         f"Mesh(timeout=...) bounds the wait; Mesh(check_collectives=True) (or "
@@ -364,11 +373,20 @@ def dcp_save(state_dict: dict[str, Any], directory: str) -> None:
     dcp.save(state_dict, checkpoint_id=directory)
 
 
+class CheckpointReadError(RuntimeError):
+    """DCP could not read a checkpoint's files (raised on every rank: DCP gathers the
+    ranks' read errors)."""
+
+
 def dcp_load(state_dict: dict[str, Any], directory: str) -> None:
     """Load in place into `state_dict`'s tensors, reading whichever saved pieces overlap."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.load(state_dict, storage_reader=_safe_reader(directory))
+    try:
+        dcp.load(state_dict, storage_reader=_safe_reader(directory))
+    except CheckpointException as e:
+        raise CheckpointReadError(str(e)) from e
 
 
 def dcp_sizes(directory: str) -> dict[str, tuple[int, ...]]:

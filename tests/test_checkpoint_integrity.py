@@ -30,19 +30,24 @@ def _save_twice(path: str, rank: int) -> None:
     checkpoint.save(path, state, opt_state, step=2)
 
 
-def _load(path: str, rank: int) -> dict:
-    """Load into a fresh state; report the error and whether the state passed in changed."""
+def _load(path: str, rank: int, verify: bool = True) -> dict:
+    """Load into a fresh state; report the error, whether the state passed in changed, and
+    whether what loaded equals what was saved."""
     state, opt_state = _setup(2)
     before = [s.clone() for s in state.shards]
-    error = None
+    error, same_as_saved = None, None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            _, _, step, _ = checkpoint.load(path, like=(state, opt_state))
-        except integrity.CheckpointCorrupted as e:
+            loaded, _, step, _ = checkpoint.load(path, like=(state, opt_state), verify=verify)
+            saved = _setup(1)[0] if step == 2 else _setup(0)[0]
+            same_as_saved = all(
+                torch.equal(a, b) for a, b in zip(loaded.shards, saved.shards, strict=True)
+            )
+        except fs.CheckpointCorrupted as e:
             error, step = str(e), None
     untouched = all(torch.equal(a, b) for a, b in zip(before, state.shards, strict=True))
-    return {"error": error, "step": step, "untouched": untouched,
+    return {"error": error, "step": step, "untouched": untouched, "same": same_as_saved,
             "warnings": [str(w.message) for w in caught]}  # fmt: skip
 
 
@@ -114,6 +119,17 @@ def test_a_damaged_checkpoint_raises_on_every_rank_naming_file_and_tensor(saved,
     assert any("CORRUPTED" in line for line in report.lines) or how == "missing", report.lines
 
 
+def test_without_verification_a_flipped_bit_loads_silently_wrong_which_is_what_checksums_stop(
+    saved, tmp_path
+):
+    path = str(tmp_path / "run")
+    shutil.copytree(saved, path)
+    _corrupt(_latest_dir(path), "bit in tensor data")
+    results = testing.run(functools.partial(_load, path, verify=False), world_size=2)
+    assert all(r["error"] is None and r["step"] == 2 for r in results)
+    assert not all(r["same"] for r in results)  # some rank holds a wrong weight, silently
+
+
 def test_an_intact_checkpoint_verifies_and_loads_and_the_previous_one_by_its_directory(saved):
     report = integrity.verify(_latest_dir(saved))
     assert report.ok, report.problems
@@ -122,6 +138,7 @@ def test_an_intact_checkpoint_verifies_and_loads_and_the_previous_one_by_its_dir
     previous = os.path.join(saved, first)
     results = testing.run(functools.partial(_load, previous), world_size=2, timeout=60)
     assert [r["step"] for r in results] == [1, 1] and not results[0]["error"]
+    assert all(r["same"] for r in results)
 
 
 def test_the_cli_verifies_a_checkpoint_offline(saved, tmp_path, capsys):
@@ -133,17 +150,44 @@ def test_the_cli_verifies_a_checkpoint_offline(saved, tmp_path, capsys):
     _corrupt(_latest_dir(path), "bit in tensor data")
     assert cli.main(["checkpoint", "verify", path]) == 1
     assert "CORRUPTED" in capsys.readouterr().out
+    assert cli.main(["checkpoint", "verify", str(tmp_path / "nothing")]) == 2
+    assert "funcshard.checkpoint.verify: no complete checkpoint" in capsys.readouterr().err
 
 
 def test_a_checkpoint_saved_before_checksums_loads_with_a_warning(saved, tmp_path):
     path = str(tmp_path / "run")
     shutil.copytree(saved, path)
-    os.remove(os.path.join(_latest_dir(path), integrity.CHECKSUMS))
+    latest = _latest_dir(path)
+    os.remove(os.path.join(latest, integrity.CHECKSUMS))
+    with open(os.path.join(latest, checkpoint.META), "w") as f:  # as older saves wrote it
+        json.dump({"step": 2, "extra": None}, f)
     results = testing.run(functools.partial(_load, path), world_size=2, timeout=60)
     for r in results:
-        assert r["error"] is None and r["step"] == 2
+        assert r["error"] is None and r["step"] == 2 and r["same"]
         assert any("saved without checksums" in w for w in r["warnings"]), r["warnings"]
-    assert not integrity.verify(_latest_dir(path)).verified
+    assert not checkpoint.verify(path).verified
+
+
+def test_a_checksums_file_lost_from_a_checksummed_save_is_an_error_not_a_warning(saved, tmp_path):
+    path = str(tmp_path / "run")
+    shutil.copytree(saved, path)
+    os.remove(os.path.join(_latest_dir(path), integrity.CHECKSUMS))
+    for r in testing.run(functools.partial(_load, path), world_size=2, timeout=60):
+        assert f"{integrity.CHECKSUMS}: missing" in r["error"], r
+    assert not checkpoint.verify(path).ok
+
+
+def _save_unchecked(path: str, rank: int) -> None:
+    state, opt_state = _setup(1)
+    checkpoint.save(path, state, opt_state, step=2, checksums=False)
+
+
+def test_a_save_without_checksums_loads_with_a_warning_that_says_so(tmp_path):
+    path = str(tmp_path / "run")
+    testing.run(functools.partial(_save_unchecked, path), world_size=2)
+    for r in testing.run(functools.partial(_load, path), world_size=2, timeout=60):
+        assert r["error"] is None and r["same"]
+        assert any("save(checksums=False)" in w for w in r["warnings"]), r["warnings"]
 
 
 def _saves_keeping(path: str, keep: int, steps: list[int], rank: int) -> list[str]:
@@ -184,6 +228,10 @@ def _dies_while_saving(path: str, rank: int) -> None:
 
 def test_keep_deletes_older_checkpoints_but_never_the_last_complete_one(tmp_path):
     path = str(tmp_path / "run")
+    os.makedirs(os.path.join(path, "saved_model-1"))  # the user's, not a checkpoint
+    open(os.path.join(path, "saved_model-1", "weights.bin"), "w").close()
+    os.makedirs(os.path.join(path, "save-0"))  # named like one, holding something else
+    open(os.path.join(path, "save-0", "notes.txt"), "w").close()
     names = testing.run(functools.partial(_saves_keeping, path, 2, [1, 2, 3]), world_size=2)[0]
     assert [n.split("-")[1] for n in names if n.startswith("step-")] == ["2", "3"]
     with pytest.raises((testing.RankDied, TimeoutError)):
@@ -194,3 +242,4 @@ def test_keep_deletes_older_checkpoints_but_never_the_last_complete_one(tmp_path
     assert any(n.startswith("step-2-") for n in os.listdir(path))  # nothing deleted either
     names = testing.run(functools.partial(_saves_keeping, path, 1, [10]), world_size=2)[0]
     assert [n for n in names if n.startswith("step-")] == [n for n in names if "step-10-" in n]
+    assert {"saved_model-1", "save-0"} <= set(names)  # never deleted

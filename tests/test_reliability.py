@@ -50,7 +50,7 @@ def test_a_collective_that_never_completes_raises_within_the_timeout_naming_it()
     message, waited = testing.run(_rank1_never_joins, fresh=True, timeout=60)[0]
     assert message.startswith("rank 0: all_gather of unit 'blocks.1' over ranks [0, 1]"), message
     # where this rank's sequence stands, to compare with the other ranks' (e.g. under torchrun)
-    last = re.search(r"The last collective this rank issued: #\d+, (.*)\.\n", message)
+    last = re.search(r"The last funcshard collective this rank issued: #\d+, (.*)\.\n", message)
     assert last and last.group(1).startswith("all_gather of unit 'blocks.1' over ranks [0, 1]: ")
     assert "Mesh(check_collectives=True)" in message
     assert waited < 10

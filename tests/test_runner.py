@@ -75,7 +75,7 @@ def test_a_hang_fails_within_the_timeout_naming_the_rank_and_where_it_waited():
     assert time.perf_counter() - start < 10
     message = str(info.value)
     assert "ranks [1] did not finish within 2 s (finished: [0])" in message
-    assert "--- rank 1 (last collective issued: " in message and "was waiting in" in message
+    assert "--- rank 1 (last funcshard collective issued: none yet) was waiting in" in message
     assert "barrier" in message
     assert testing.run(_sum_of_ranks, world_size=2) == [(0, 3.0), (1, 3.0)]  # fresh pool
 
@@ -151,9 +151,9 @@ def test_a_hang_in_a_step_is_reported_by_the_runner_before_pytest_timeout():
     report = str(info.value)
     assert time.monotonic() - start < 25
     assert "ranks [0, 1] did not finish" in report
-    assert "rank 0 (last collective issued: #" in report
+    assert "rank 0 (last funcshard collective issued: #" in report
     assert "reduce_scatter of unit 'blocks.1'" in report  # rank 0 waits in it
-    assert "rank 1 (last collective issued: #" in report
+    assert "rank 1 (last funcshard collective issued: #" in report
     assert "all_gather of unit 'blocks.1'" in report  # rank 1's last: forward's gather
     assert "in _finish_last" in report  # rank 0's stack: the reduce it waits for
     assert "in _rank1_skips_the_reduce" in report  # rank 1's: where it sleeps

@@ -62,7 +62,9 @@ def run(
     picklable arguments). Draw hypothesis examples in the caller and bind them with partial, so
     every rank sees the same example. A rank's exception is re-raised here with its rank and
     remote traceback; a hang past `timeout` seconds raises TimeoutError naming the ranks that
-    did not finish and where each was waiting.
+    did not finish, where each was waiting and the last collective each issued. Under pytest
+    with pytest-timeout, `timeout` is capped to end a few seconds before the test's, so this
+    report is what fails a hung test (see funcshard/testing/pytest_plugin.py).
 
     `fresh=True` runs on ranks of their own, ended afterwards: for tests that break process
     groups on purpose (timeouts, faults) and must not leave them to later calls.
@@ -218,7 +220,8 @@ class WorkerPool:
             self.close(kill=True)
         finished = [r for r in range(self.world_size) if r not in pending]
         where = "\n".join(
-            f"--- rank {r} (last collective issued: {last[r]}) was waiting in:\n{stacks[r]}"
+            f"--- rank {r} (last funcshard collective issued: {last[r]}) was waiting in:\n"
+            f"{stacks[r]}"
             for r in pending
         )
         error = TimeoutError(
@@ -409,12 +412,18 @@ def _answer_probes(probe: Connection) -> None:
     while True:
         try:
             probe.recv_bytes()
-            probe.send_bytes(collectives.last_issued().encode())
         except (EOFError, OSError):
-            return
+            return  # the pool is closing
+        try:
+            answer = collectives.last_issued()
+        except Exception as e:  # never let the thread die: the next report would be empty
+            answer = f"(unknown: {type(e).__name__}: {e})"
+        with contextlib.suppress(OSError):
+            probe.send_bytes(answer.encode())
 
 
 def _run_task(rank: int, payload: bytes) -> bytes:
+    collectives.reset_issued()  # numbered per task, so the ranks' numbers compare
     try:
         result = _loads_task(payload)(rank)
         return pickle.dumps(("ok", pickle.dumps(result)))
