@@ -14,6 +14,9 @@ from funcshard.layout import FlatLayout as FlatLayout
 from funcshard.layout import Layout as Layout
 from funcshard.mesh import Mesh as Mesh
 from funcshard.mesh import shutdown as shutdown
+from funcshard.metrics import global_norm as global_norm
+from funcshard.metrics import pmean as pmean
+from funcshard.metrics import psum as psum
 from funcshard.module import extract as extract
 from funcshard.optim import apply_updates as apply_updates
 from funcshard.plan import Plan as Plan
@@ -63,10 +66,13 @@ __all__ = [
     "extract",
     "from_state_dict",
     "full_state_dict",
+    "global_norm",
     "grad",
     "optim",
     "plan",
+    "pmean",
     "policy",
+    "psum",
     "reduce",
     "replicate",
     "reshard",

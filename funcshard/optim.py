@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcshard import collectives, finite
+from funcshard import finite
 from funcshard.layout import frozen_ranges
+from funcshard.metrics import global_norm
 from funcshard.state import ShardedGrads, ShardedState, ensure_live
 from funcshard.state import donate as donate_record
 from funcshard.tree import register_record
@@ -361,12 +362,11 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         present = [g for g in leaves if g is not None]
         if not present:
             return grads, state
-        squares = torch.stack([g.float().square().sum() for g in present]).sum()
         if isinstance(grads, ShardedGrads):
-            squares = collectives.all_reduce(
-                squares, grads.layout.mesh.shard_group, "sum", what="<global grad norm>"
-            ).wait()
-        scale = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+            norm = global_norm(grads)
+        else:
+            norm = torch.stack([g.float().square().sum() for g in present]).sum().sqrt()
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         scaled = [
             None if g is None else (g.mul_(scale.to(g.dtype)) if donate else g * scale.to(g.dtype))
             for g in leaves
