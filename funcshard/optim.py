@@ -24,6 +24,7 @@ stays zero: zero gradients and zero parameters give zero moments and zero update
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ class Optimizer:
     update: Callable[..., tuple[Any, Any]]  # (grads, state, params, donate=False)
     fused_step: Callable[..., tuple[Any, Any] | None] | None = None  # None: not applicable
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "update", _recording_only_through_grads(self.update))
+
     def step(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
         """Update and apply, donating `grads`, `state` and `params` (see the class)."""
         if self.fused_step is not None:
@@ -65,6 +69,31 @@ class Optimizer:
                 return done
         updates, new_state = self.update(grads, state, params, donate=True)
         return apply_updates(params, updates, donate=True), new_state
+
+
+def _recording_only_through_grads(update: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `update` without autograd recording, as torch.optim steps do, unless the grads
+    carry history themselves (`create_graph`: a differentiable inner step, as in MAML); so
+    weight decay on parameters that require grad builds no graph step after step."""
+    if getattr(update, "_records_only_through_grads", False):
+        return update
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        grads = args[0] if args else kwargs.get("grads")
+        if isinstance(grads, ShardedGrads):
+            leaves: Any = grads.shards
+        elif isinstance(grads, Mapping):
+            leaves = grads.values()
+        else:
+            return update(*args, **kwargs)  # not ours to judge: recorded as written
+        if any(isinstance(g, Tensor) and g.requires_grad for g in leaves):
+            return update(*args, **kwargs)
+        with torch.no_grad():
+            return update(*args, **kwargs)
+
+    wrapped = functools.wraps(update)(wrapped)
+    wrapped._records_only_through_grads = True  # type: ignore[attr-defined]
+    return wrapped
 
 
 @dataclass(frozen=True, eq=False)
@@ -438,6 +467,8 @@ def skip_nonfinite(optimizer: Optimizer) -> Optimizer:
 def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:
     """Add `updates` to `params` (None updates leave a leaf unchanged).
 
+    The new leaves have no autograd history and require grad where the old ones did (unless
+    the updates carry history themselves, as in a differentiable inner step).
     `donate=True` adds in place into the old params' memory: the caller promises never to
     read the old params again.
     """
@@ -452,7 +483,7 @@ def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:
         delta = _without_frozen_members(params, delta)
     with torch.no_grad() if donate else contextlib.nullcontext():  # in place, as torch.optim
         new = [
-            p if u is None else (p.add_(u) if donate else p + u)
+            p if u is None else (p.add_(u) if donate else _added(p, u))
             for p, u in zip(old, delta, strict=True)
         ]
     if isinstance(params, ShardedState):
@@ -460,6 +491,17 @@ def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:
             donate_record(params, "apply_updates(donate=True)")
         return params.replace(shards=tuple(new))
     return dict(zip(params.keys(), new, strict=True))
+
+
+def _added(param: Tensor, update: Tensor) -> Tensor:
+    """`param + update` as a new leaf, as JAX's optax.apply_updates returns arrays: no autograd
+    history (a loop would otherwise chain every step's addition), requiring grad where the
+    parameter did. Updates that carry history (a differentiable inner step, as in MAML)
+    keep it."""
+    if update.requires_grad and torch.is_grad_enabled():
+        return param + update
+    with torch.no_grad():
+        return (param + update).requires_grad_(param.requires_grad)
 
 
 def _without_frozen_members(state: ShardedState, delta: list[Tensor | None]) -> list:

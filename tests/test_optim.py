@@ -5,6 +5,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcshard as fs
@@ -277,3 +278,38 @@ def test_sgd_with_dampening_starts_a_buffer_at_the_first_gradient_like_torch():
         updates, state = ours.update(g, state, params)
         params = fs.apply_updates(params, updates)
     torch.testing.assert_close(params["w"], w.detach())
+
+
+def test_a_thousand_plain_dict_steps_build_no_autograd_history_and_hold_memory_flat():
+    """The one-process loop the README offers (extract, value_and_grad, update, apply):
+    each step's leaves are fresh (no grad_fn, still requiring grad), so neither history
+    depth nor live tensor memory grows with the step count."""
+    from funcshard.testing.memory import LiveTensors
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    params, _ = fs.extract(model)
+    opt = fs.optim.adamw(1e-2)
+    opt_state = opt.init(params)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    step = fs.value_and_grad(lambda p: ((fs.call(model, p, x) - y) ** 2).mean())
+    live = {}
+    with LiveTensors() as memory:
+        memory.adopt((params, opt_state))
+        for i in range(1, 1001):
+            loss, grads = step(params)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            params = fs.apply_updates(params, updates)
+            assert all(p.grad_fn is None and p.requires_grad for p in params.values()), i
+            del loss, grads, updates
+            if i in (10, 1000):
+                live[i] = memory.live
+    assert live[1000] == live[10], live
+
+
+def test_updates_that_carry_history_keep_it_for_a_differentiable_inner_step():
+    w = torch.randn(3, requires_grad=True)
+    lr = torch.tensor(0.1, requires_grad=True)
+    (g,) = torch.autograd.grad((w**2).sum(), w, create_graph=True)
+    inner = fs.apply_updates({"w": w}, {"w": -lr * g})  # MAML's inner step
+    torch.autograd.grad((inner["w"] ** 2).sum(), lr)  # differentiable through the update
