@@ -13,7 +13,8 @@ work.
 Atomic: a save writes a fresh directory `step-<n>-<k>` (or `save-<k>`) under `path`, then
 replaces the file `path/LATEST` with `os.replace`, which is atomic; `load` reads only what
 LATEST names, so a save that dies half way never changes what loads. `step` and `extra` are
-written as JSON, so loading unpickles nothing.
+written as JSON, so loading unpickles nothing. What a load checks before it reads a byte:
+[Note: checkpoint integrity] in funcshard/integrity.py.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def save(
     With `checksums` (the default) every chunk's CRC-32 is recorded for `load` and `verify`
     to check (see [Note: checkpoint integrity]). `keep=N` then deletes the checkpoints older
     than the last N complete ones, never the one LATEST names.
-    Returns the directory written. Communicates: DCP's collective save, one all-gather of
-    the checksums, barriers.
+    Returns the directory written. Communicates: a barrier, DCP's collective save, and
+    all-gathers of the save counter, the checksums and the commit's outcome.
     """
     ensure_live(state, "checkpoint.save")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
