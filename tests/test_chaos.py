@@ -1,10 +1,10 @@
 """Collective order is a function of the program, never of timing (see [Note: chaos]).
 
-Each rank runs training steps of many configurations under chaos (seeded per-rank delays and
-garbage collections wherever funcshard communicates or runs a hook), with every collective
-compared across ranks before it is issued (`check_collectives`). The ranks must issue the same
-sequence of collectives, and the gradients must be bitwise those of the same steps without
-chaos.
+Each rank runs a gradient step (forward, backward, reduce; with accumulation, two micro-
+batches) of many configurations under chaos (seeded per-rank delays and garbage collections
+wherever funcshard communicates or runs a hook), with every collective compared across ranks
+before it is issued (`check_collectives`): a mismatch raises there. Each rank must also issue
+the same sequence as without chaos, and get bitwise the same gradients.
 """
 
 import functools
@@ -18,7 +18,7 @@ import funcshard as fs
 from funcshard import collectives, testing
 from funcshard.testing.models import GPT, Block, GPTConfig, frozen_embedding_gpt, random_tokens
 
-STEPS = 1
+STEPS = 1  # gradient steps per configuration: a second adds time, not coverage
 BLOCKS = fs.policy.module_classes({Block})
 WITH_EMBEDDINGS = fs.policy.module_classes({Block, torch.nn.Embedding})
 
