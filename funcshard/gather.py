@@ -372,7 +372,9 @@ class _Throttle:
         self._finish_last()
         mesh, unit = spec.mesh, spec.flat.unit
         if mesh.shard_size > 1:
-            pending = collectives.reduce_scatter(grad, mesh.shard_group, "avg", what=unit)
+            pending = collectives.reduce_scatter(
+                grad, mesh.shard_group, "avg", what=unit, owned=True
+            )
         elif spec.across_replicas:  # DDP: reduce in place in the buffer backward just made
             pending = collectives.all_reduce(
                 grad, mesh.replicate_group, "avg", inplace=True, what=unit
