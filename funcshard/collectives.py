@@ -164,7 +164,7 @@ def reduce_scatter(
     if group.size() == 1:
         return Pending(flat, done=True)
     _before("reduce_scatter", group, flat, what)
-    if _is_gloo(group):
+    if _is_gloo(group) and not _traced(flat):
         buffer = flat if owned else flat.clone()
         chunk = flat.new_empty(flat.numel() // group.size())
         with _below_autograd():
@@ -173,6 +173,18 @@ def reduce_scatter(
     with _below_autograd():
         out = _ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name)
     return Pending(out, op="reduce_scatter", group=group, what=what)
+
+
+def _traced(tensor: Tensor) -> bool:
+    """Whether dynamo, make_fx or fake tensors are tracing (graphs keep the functional op)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return (
+        torch.compiler.is_dynamo_compiling()
+        or get_proxy_mode() is not None
+        or isinstance(tensor, FakeTensor)
+    )
 
 
 def _is_gloo(group: ProcessGroup) -> bool:

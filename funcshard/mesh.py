@@ -241,7 +241,17 @@ class Mesh:
         return (self.timeout, self.check_collectives)
 
     def _configured(self, group: ProcessGroup) -> ProcessGroup:
-        """Apply this mesh's timeout and collective checks to one of its groups."""
+        """Apply this mesh's timeout and collective checks to one of its groups. A device
+        mesh hands out the default group itself for a dimension spanning every rank: that
+        one is shared with every other mesh and the caller, so a mesh with settings of its
+        own gets a copy of it (made once per settings, by all ranks together)."""
+        if self._options == (None, False):
+            return group
+        if group == dist.group.WORLD:
+            key = (dist.group.WORLD, self._options)
+            if key not in _OWN_WORLDS:
+                _OWN_WORLDS[key] = dist.new_group(ranks=list(range(dist.get_world_size())))
+            group = _OWN_WORLDS[key]
         if self.timeout is not None:
             _set_pg_timeout(self.timeout, group)
         if self.check_collectives:
@@ -286,6 +296,7 @@ def _default_device_type() -> str:
 
 
 _MESHES: dict[tuple[object, str, int, int], DeviceMesh] = {}
+_OWN_WORLDS: dict[tuple[object, tuple], ProcessGroup] = {}  # copies of the default group
 _SUBMESHES: dict[tuple[object, str | None, int, int, int], DeviceMesh] = {}
 _REWRAPPED: dict[tuple[object, ...], DeviceMesh] = {}
 
@@ -315,5 +326,6 @@ def shutdown(timeout: timedelta = timedelta(seconds=30)) -> None:
     _MESHES.clear()
     _SUBMESHES.clear()
     _REWRAPPED.clear()
+    _OWN_WORLDS.clear()
     collectives.forget_checked_groups()
     dist.destroy_process_group()

@@ -4,6 +4,7 @@ import functools
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,24 @@ def test_from_env_under_torchrun_shards_over_all_ranks():
     assert out.returncode == 0, out.stderr
     assert "rank 0: shard 0/2 cpu sum 3" in out.stdout
     assert "rank 1: shard 1/2 cpu sum 3" in out.stdout
+
+
+def _settings_stay_with_their_mesh(rank: int) -> tuple[bool, bool, bool]:
+    from funcshard import collectives
+
+    checked = fs.Mesh(shard=2, check_collectives=True, timeout=timedelta(seconds=3))
+    checked_group = checked.shard_group
+    plain = fs.Mesh(shard=2)
+    world = dist.group.WORLD
+    return (
+        checked_group.group_name in collectives._checked_groups,
+        plain.shard_group.group_name in collectives._checked_groups,
+        world.group_name in collectives._checked_groups,
+    )
+
+
+def test_a_mesh_with_checks_or_a_timeout_leaves_the_default_group_and_other_meshes_alone():
+    """A device mesh dimension spanning every rank is the default group itself: configuring
+    it would check (and time out) every later collective of every mesh in the process."""
+    for own, plain, world in testing.run(_settings_stay_with_their_mesh, world_size=2):
+        assert own and not plain and not world
