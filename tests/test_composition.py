@@ -15,6 +15,7 @@ in the test process on a freshly built copy of the model with `torch.func.functi
 
 import functools
 import gc
+import time
 import warnings
 
 import pytest
@@ -450,6 +451,7 @@ def _forward_only(rank: int) -> list[int]:
     sizes = []
     for _ in range(4):
         _mse(_sharded(model, state.replace(shards=shards)), x, y)  # never backpropagated
+        time.sleep(0.05)  # gloo's worker threads let go of finished all-gathers' inputs
         gc.collect()
         sizes.append(
             sum(
