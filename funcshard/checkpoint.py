@@ -128,11 +128,7 @@ def _checksummed(target: str, group: Any) -> list[dict]:
 
 def _retire(root: str, latest: str, keep: int) -> None:
     """Delete checkpoints older than the last `keep` complete ones (never `latest`)."""
-    saves = sorted(
-        (index, name)
-        for name in os.listdir(root)
-        if (index := _index(name)) is not None and _written_by_save(os.path.join(root, name))
-    )
+    saves = [(i, n) for i, n in _saves(root) if _written_by_save(os.path.join(root, n))]
     complete = [name for _, name in saves if os.path.exists(os.path.join(root, name, META))]
     kept = set(complete[-keep:]) | {latest}
     oldest_kept = min(i for i, name in saves if name in kept)
@@ -148,6 +144,11 @@ def _written_by_save(directory: str) -> bool:
     names = os.listdir(directory)
     ours = {META, integrity.CHECKSUMS, integrity.DCP_METADATA}
     return all(n in ours or (n.startswith("__") and n.endswith(".distcp")) for n in names)
+
+
+def _saves(root: str) -> list[tuple[int, str]]:
+    """The entries of `root` named like checkpoints, as (save counter, name), oldest first."""
+    return sorted((i, name) for name in os.listdir(root) if (i := _index(name)) is not None)
 
 
 def _index(name: str) -> int | None:
@@ -247,14 +248,11 @@ def _previous_hint(directory: str) -> str:
     """What to do instead: load the newest complete checkpoint before `directory`."""
     root, name = os.path.split(os.path.normpath(directory))
     index = _index(name)
-    older = sorted(
+    older = [
         (i, n)
-        for n in os.listdir(root)
-        if (i := _index(n)) is not None
-        and index is not None
-        and i < index
-        and os.path.exists(os.path.join(root, n, META))
-    )
+        for i, n in _saves(root)
+        if index is not None and i < index and os.path.exists(os.path.join(root, n, META))
+    ]
     if not older:
         return "There is no earlier complete checkpoint under it to load instead."
     previous = os.path.join(root, older[-1][1])
@@ -271,9 +269,8 @@ def _first_line(error: BaseException) -> str:
 def _next_index(root: str, group: Any) -> int:
     """A save counter above every checkpoint's under `root` (retention deletes old ones, so a
     count of entries could repeat a live name), as the first rank sees them."""
-    names = os.listdir(root)
-    used = [i for name in names if (i := _index(name)) is not None]
-    index = max([*used, len(names) - 1]) + 1
+    used = [i for i, _ in _saves(root)]
+    index = max([*used, len(os.listdir(root)) - 1]) + 1
     return collectives.all_gather_ints([index], group)[0][0]
 
 

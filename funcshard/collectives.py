@@ -31,7 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed import ProcessGroup
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from funcshard import chaos
 
@@ -177,9 +179,6 @@ def reduce_scatter(
 
 def _traced(tensor: Tensor) -> bool:
     """Whether dynamo, make_fx or fake tensors are tracing (graphs keep the functional op)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
     return (
         torch.compiler.is_dynamo_compiling()
         or get_proxy_mode() is not None
@@ -187,13 +186,17 @@ def _traced(tensor: Tensor) -> bool:
     )
 
 
-def _is_gloo(group: ProcessGroup) -> bool:
-    """Whether the group runs on gloo (its backend name is looked up once per group)."""
+def _backend(group: ProcessGroup) -> str:
+    """The group's backend name ("gloo", "nccl", ...), looked up once per group."""
     name = group.group_name
     backend = _BACKENDS.get(name)
     if backend is None:
         backend = _BACKENDS[name] = str(dist.get_backend(group))
-    return "gloo" in backend
+    return backend
+
+
+def _is_gloo(group: ProcessGroup) -> bool:
+    return "gloo" in _backend(group)
 
 
 _BACKENDS: dict[str, str] = {}
@@ -353,7 +356,7 @@ def broadcast(tensor: Tensor, group: ProcessGroup, src_rank: int) -> Tensor:
 def barrier(group: ProcessGroup, timeout: timedelta) -> None:
     """Wait for every rank of the group; on gloo a rank that is gone fails it within
     `timeout` instead of hanging."""
-    if "gloo" in str(dist.get_backend(group)):
+    if _is_gloo(group):
         dist.monitored_barrier(group=group, timeout=timeout)
     else:
         dist.barrier(group=group)
@@ -374,10 +377,9 @@ def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:
 
 
 def _device_of(group: ProcessGroup) -> torch.device:
-    backend = str(dist.get_backend(group))
     return (
         torch.device("cuda", torch.cuda.current_device())
-        if "nccl" in backend
+        if "nccl" in _backend(group)
         else torch.device("cpu")
     )
 

@@ -8,6 +8,7 @@ collective (the leaves are packed into one float64 buffer and unpacked in their 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import optree
@@ -31,19 +32,24 @@ def pmean(tree: Any, mesh: Mesh) -> Any:
     return _reduced(tree, mesh, mean=True)
 
 
-def global_norm(grads: ShardedGrads) -> Tensor:
-    """The L2 norm of the whole gradient (every parameter of every rank's shard, counted
-    once), the same 0-d float32 tensor on every rank: `clip_grad_norm_`'s total norm.
-    Communicates: one all-reduce of one number over the shard axis (replicas hold the same
-    shards)."""
-    ensure_live(grads, "global_norm")
-    present = [g for g in grads.shards if g is not None]
+def global_norm(grads: ShardedGrads | Mapping[str, Tensor | None]) -> Tensor:
+    """The L2 norm of the whole gradient, a 0-d float32 tensor: `clip_grad_norm_`'s total
+    norm. Of ShardedGrads: every parameter of every rank's shard counted once, the same on
+    every rank (one all-reduce of one number over the shard axis; replicas hold the same
+    shards). Of a dict of gradients: this process's, no communication."""
+    if isinstance(grads, ShardedGrads):
+        ensure_live(grads, "global_norm")
+        present = [g for g in grads.shards if g is not None]
+    else:
+        present = [g for g in grads.values() if g is not None]
     if not present:
-        return torch.zeros((), device=grads.layout.mesh.device)
+        device = grads.layout.mesh.device if isinstance(grads, ShardedGrads) else None
+        return torch.zeros((), device=device)
     squares = torch.stack([g.float().square().sum() for g in present]).sum()
-    squares = collectives.all_reduce(
-        squares, grads.layout.mesh.shard_group, "sum", what="<global grad norm>"
-    ).wait()
+    if isinstance(grads, ShardedGrads):
+        squares = collectives.all_reduce(
+            squares, grads.layout.mesh.shard_group, "sum", what="<global grad norm>"
+        ).wait()
     return squares.sqrt()
 
 

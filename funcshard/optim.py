@@ -391,11 +391,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         present = [g for g in leaves if g is not None]
         if not present:
             return grads, state
-        if isinstance(grads, ShardedGrads):
-            norm = global_norm(grads)
-        else:
-            norm = torch.stack([g.float().square().sum() for g in present]).sum().sqrt()
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        scale = torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
         scaled = [
             None if g is None else (g.mul_(scale.to(g.dtype)) if donate else g * scale.to(g.dtype))
             for g in leaves

@@ -62,3 +62,9 @@ def test_global_norm_is_the_one_process_total_norm_on_every_rank(mesh):
     axes, world = MESHES[mesh]
     for ours, plain in testing.run(functools.partial(_norm, axes, world), world_size=world):
         assert ours == pytest.approx(plain, rel=1e-5)
+
+
+def test_global_norm_of_a_dict_of_gradients_is_this_process_total_norm():
+    grads = {"a": torch.randn(3, 4), "b": None, "c": torch.randn(5)}
+    expected = torch.linalg.vector_norm(torch.cat([grads["a"].reshape(-1), grads["c"]]))
+    torch.testing.assert_close(fs.global_norm(grads), expected)
