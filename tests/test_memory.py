@@ -2,6 +2,7 @@
 
 import functools
 import gc
+import time
 
 import pytest
 import torch
@@ -66,6 +67,7 @@ def test_without_prefetch_one_block_at_a_time_is_gathered():
 def _live_tensor_bytes() -> int:
     """Bytes of every real tensor alive in this process (not subclasses such as the fake
     tensors a compile on this worker may have left for the collector)."""
+    time.sleep(0.05)  # gloo's worker threads let go of finished collectives' tensors
     gc.collect()
     return sum(
         o.untyped_storage().nbytes()
