@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from funcshard import recompute
+from funcshard.donation import ensure_live
 from funcshard.tree import format_names, join_fqn
 
 Params = dict[str, Tensor]
@@ -60,6 +61,7 @@ def call(
             f"funcshard.call: params must be a dict FQN -> Tensor (from funcshard.extract), "
             f"got {type(params).__name__}."
         )
+    ensure_live(params, "call")
     param_slots, buffer_slots = _slots(model)
     _check_keys(model, params, param_slots, "parameters")
     if buffers is None:

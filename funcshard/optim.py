@@ -36,7 +36,7 @@ from torch import Tensor
 from funcshard import finite
 from funcshard.layout import frozen_ranges
 from funcshard.metrics import global_norm
-from funcshard.state import ShardedGrads, ShardedState, ensure_live
+from funcshard.state import ShardedGrads, ShardedState, donatable, ensure_live
 from funcshard.state import donate as donate_record
 from funcshard.tree import register_record
 
@@ -59,16 +59,42 @@ class Optimizer:
     fused_step: Callable[..., tuple[Any, Any] | None] | None = None  # None: not applicable
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "update", _recording_only_through_grads(self.update))
+        update = _recording_only_through_grads(_donating_its_state(self.update))
+        object.__setattr__(self, "update", update)
 
     def step(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
         """Update and apply, donating `grads`, `state` and `params` (see the class)."""
         if self.fused_step is not None:
             done = self.fused_step(grads, state, params)
             if done is not None:
+                _donate_state(state, done[1], "Optimizer.step")
                 return done
         updates, new_state = self.update(grads, state, params, donate=True)
         return apply_updates(params, updates, donate=True), new_state
+
+
+def _donating_its_state(update: Callable[..., Any]) -> Callable[..., Any]:
+    """`update` that, called with donate=True, marks the state it was given as donated (its
+    moments now hold the new state's numbers; see [Note: donation])."""
+    if getattr(update, "_donates_its_state", False):
+        return update
+
+    def wrapped(grads: Any, state: Any, params: Any, **kwargs: Any) -> Any:
+        updates, new_state = update(grads, state, params, **kwargs)
+        if kwargs.get("donate"):
+            _donate_state(state, new_state, "an optimizer update(donate=True)")
+        return updates, new_state
+
+    wrapped = functools.wraps(update)(wrapped)
+    wrapped._donates_its_state = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _donate_state(old: Any, new: Any, to: str) -> None:
+    """Mark an optimizer state record donated, unless the update handed the same record
+    back (a stateless transformation) or it is not one of funcshard's records."""
+    if new is not old and hasattr(type(old), "_donated_fields"):
+        donate_record(old, to)
 
 
 def _recording_only_through_grads(update: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,6 +106,8 @@ def _recording_only_through_grads(update: Callable[..., Any]) -> Callable[..., A
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         grads = args[0] if args else kwargs.get("grads")
+        if isinstance(grads, ShardedGrads | Mapping):
+            ensure_live(grads, "optim")
         if isinstance(grads, ShardedGrads):
             leaves: Any = grads.shards
         elif isinstance(grads, Mapping):
@@ -133,10 +161,17 @@ class EmptyState:
     """The state of a stateless transformation."""
 
 
-register_record(SgdState, data_fields=("step", "momentum"), meta_fields=())
-register_record(AdamState, data_fields=("step", "exp_avg", "exp_avg_sq"), meta_fields=())
-register_record(ChainState, data_fields=("states",), meta_fields=())
-register_record(SkipState, data_fields=("inner", "skipped"), meta_fields=())
+def _state_record(cls: type, data_fields: tuple[str, ...]) -> None:
+    """Register an optimizer state record: a pytree whose tensors are `data_fields`, which a
+    donating update replaces by placeholders."""
+    register_record(cls, data_fields=data_fields, meta_fields=())
+    donatable(cls, data_fields)
+
+
+_state_record(SgdState, ("step", "momentum"))
+_state_record(AdamState, ("step", "exp_avg", "exp_avg_sq"))
+_state_record(ChainState, ("states",))
+_state_record(SkipState, ("inner", "skipped"))
 register_record(EmptyState, data_fields=(), meta_fields=())
 
 
@@ -145,6 +180,7 @@ def _param_leaves(params: Any) -> list[Tensor]:
         ensure_live(params, "optim")
         return list(params.shards)
     if isinstance(params, Mapping):
+        ensure_live(params, "optim")
         return list(params.values())
     raise TypeError(
         f"funcshard.optim: params must be a ShardedState or a dict of tensors, got "
@@ -157,6 +193,7 @@ def _grad_leaves(grads: Any) -> list[Tensor | None]:
         ensure_live(grads, "optim")
         return list(grads.shards)
     if isinstance(grads, Mapping):
+        ensure_live(grads, "optim")
         return list(grads.values())
     raise TypeError(
         f"funcshard.optim: grads must be ShardedGrads or a dict of tensors, got "
@@ -173,13 +210,12 @@ def _steps_in_place(params: Any, leaves: list[Tensor]) -> bool:
 
 
 def _donated_params(params: Any, grads: Any, to: str) -> Any:
-    """The params after an in-place step: a new record over the same (written) tensors."""
-    if isinstance(grads, ShardedGrads):
-        donate_record(grads, to)
-    if isinstance(params, ShardedState):
-        donate_record(params, to)
-        return params.replace()
-    return dict(params)
+    """The params after an in-place step: a new record (or dict) over the same (written)
+    tensors; the old one and the grads are marked donated."""
+    new = params.replace() if isinstance(params, ShardedState) else dict(params)
+    donate_record(grads, to)
+    donate_record(params, to)
+    return new
 
 
 def _zeros_like(params: Any) -> tuple[Tensor | None, ...]:
@@ -197,10 +233,12 @@ def _like(grads: Any, leaves: list[Tensor | None], donated: bool = False) -> Any
     """Put leaves back into the container type of `grads` (marking `grads` as used up when
     its buffers were `donated` to hold the new leaves)."""
     if isinstance(grads, ShardedGrads):
-        if donated:
-            donate_record(grads, "an optimizer update(donate=True)")
-        return ShardedGrads(shards=tuple(leaves), layout=grads.layout)
-    return dict(zip(grads.keys(), leaves, strict=True))
+        new: Any = ShardedGrads(shards=tuple(leaves), layout=grads.layout)
+    else:
+        new = dict(zip(grads.keys(), leaves, strict=True))
+    if donated:
+        donate_record(grads, "an optimizer update(donate=True)")
+    return new
 
 
 def _lr_at(lr: LearningRate, step: Tensor) -> float:
@@ -483,10 +521,12 @@ def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:
             for p, u in zip(old, delta, strict=True)
         ]
     if isinstance(params, ShardedState):
-        if donate:
-            donate_record(params, "apply_updates(donate=True)")
-        return params.replace(shards=tuple(new))
-    return dict(zip(params.keys(), new, strict=True))
+        result: Any = params.replace(shards=tuple(new))
+    else:
+        result = dict(zip(params.keys(), new, strict=True))
+    if donate:
+        donate_record(params, "apply_updates(donate=True)")
+    return result
 
 
 def _added(param: Tensor, update: Tensor) -> Tensor:

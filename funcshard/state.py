@@ -10,42 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
-import torch
 from tabulate import tabulate
 from torch import Tensor
 
+from funcshard.donation import DonatedError as DonatedError
+from funcshard.donation import donatable, ensure_live
+from funcshard.donation import donate as donate
 from funcshard.layout import Layout
 from funcshard.precision import MixedPrecision
 from funcshard.tree import register_record
-
-
-class DonatedError(RuntimeError):
-    """A state or grads record was used after its memory was donated to another call."""
-
-
-def donate(record: object, to: str) -> None:
-    """Mark `record` (a ShardedState or ShardedGrads) as given to `to`, which reuses its
-    memory for its result: any later use raises DonatedError instead of reading those
-    numbers (JAX deletes donated arrays for the same reason). Not marked in a step dynamo
-    traces: the compiled step owns its inputs' memory, and dynamo cannot trace the mark."""
-    if torch.compiler.is_dynamo_compiling():
-        return
-    object.__setattr__(record, "_donated_to", to)
-
-
-def ensure_live(record: object, where: str) -> None:
-    """Raise DonatedError if `record` was donated."""
-    if torch.compiler.is_dynamo_compiling():
-        return
-    to = record.__dict__.get("_donated_to")
-    if to is not None:
-        kind = type(record).__name__
-        raise DonatedError(
-            f"funcshard.{where}: this {kind} was donated to {to}, whose result now lives in "
-            f"its memory. Use the {kind} that call returned, or call it with donate=False "
-            f"to keep this one."
-        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,9 +39,11 @@ class ShardedState:
     mp: MixedPrecision | None = None
     reshard_after_forward: bool | int = True
     offload: bool = False
+    _donated_to: ClassVar[str | None] = None  # set on a donated record (see `donate`)
 
     def replace(self, **changes: object) -> ShardedState:
         """A copy with some fields changed (the record itself never changes)."""
+        ensure_live(self, "ShardedState.replace")
         return dataclasses.replace(self, **changes)
 
     def buckets_table(self) -> str:
@@ -84,6 +61,8 @@ class ShardedState:
         return tabulate(rows, headers=["index", "unit", "bytes", "params", "first params"])
 
     def __repr__(self) -> str:
+        if self._donated_to is not None:
+            return f"ShardedState(donated to {self._donated_to})"
         mesh = self.layout.mesh
         lines = [
             f"  {flat.name}: {len(flat.fqns)} params, {flat.numel:,} numel, "
@@ -110,8 +89,11 @@ class ShardedGrads:
 
     shards: tuple[Tensor | None, ...]
     layout: Layout
+    _donated_to: ClassVar[str | None] = None
 
     def __repr__(self) -> str:
+        if self._donated_to is not None:
+            return f"ShardedGrads(donated to {self._donated_to})"
         kept = sum(s is not None for s in self.shards)
         return f"ShardedGrads({kept} of {len(self.shards)} flat buffers)"
 
@@ -134,4 +116,6 @@ register_record(
     meta_fields=("layout", "mp", "reshard_after_forward", "offload"),
 )
 register_record(ShardedGrads, data_fields=("shards",), meta_fields=("layout",))
+donatable(ShardedState, ("shards", "replicated", "buffers"))
+donatable(ShardedGrads, ("shards",))
 register_record(LocalGrads, data_fields=("grads",), meta_fields=("layout",))

@@ -11,6 +11,8 @@ from typing import Any
 import optree
 import torch.utils._pytree as torch_pytree
 
+from funcshard.donation import ensure_live
+
 
 def join_fqn(prefix: str, name: str) -> str:
     """Join a module prefix and a local name into a fully qualified name ("" is the root)."""
@@ -34,6 +36,8 @@ def register_record(cls: type, data_fields: tuple[str, ...], meta_fields: tuple[
     """
 
     def flatten(record: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        if getattr(record, "_donated_to", None) is not None:
+            ensure_live(record, "tree")
         return [getattr(record, f) for f in data_fields], tuple(
             getattr(record, f) for f in meta_fields
         )

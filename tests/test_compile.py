@@ -62,8 +62,10 @@ def _train(mesh_kwargs: dict, optimizer: str, rank: int) -> dict:
         x, y = random_tokens(model.cfg, 2, seed=10 * rank + i)
         if i == 2:  # from the third step on, any recompilation raises
             torch._dynamo.config.error_on_recompile = True
+        before = compiled
         compiled_loss, *compiled = compiled_step(*compiled, x, y)
         eager_loss, *eager = step(*eager, x, y)
+        donated = _donation_errors(before[0], before[1])
         losses.append((compiled_loss.item(), eager_loss.item()))
         if i == 0:
             first = _clone((compiled[0].shards, eager[0].shards))
@@ -74,7 +76,25 @@ def _train(mesh_kwargs: dict, optimizer: str, rank: int) -> dict:
         "shards": (compiled[0].shards, eager[0].shards),
         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
         "breaks": _graph_breaks(),
+        "donated": donated,
     }
+
+
+def _donation_errors(state: fs.ShardedState, opt_state) -> list[str]:
+    """What reading a state and optimizer state after a compiled step donated them raises."""
+    errors = []
+    for read in (
+        lambda: state.shards[0],
+        lambda: state.replace(),
+        lambda: fs.unshard(state),
+        lambda: torch.utils._pytree.tree_leaves(opt_state)[1] + 1,
+    ):
+        try:
+            read()
+            errors.append("nothing raised")
+        except fs.DonatedError as e:
+            errors.append(str(e).split(",")[0])
+    return errors
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -82,6 +102,7 @@ def test_a_compiled_sgd_step_is_one_graph_and_trains_like_the_eager_step(mesh):
     mesh_kwargs, world = MESHES[mesh]
     for r in testing.run(functools.partial(_train, mesh_kwargs, "sgd"), world, timeout=240):
         assert r["breaks"] == {} and r["graphs"] == 1
+        assert all("was donated to" in e for e in r["donated"]), r["donated"]
         for compiled_loss, eager_loss in r["losses"]:
             assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
         for a, b in zip(*r["shards"], strict=True):
@@ -95,6 +116,7 @@ def test_a_compiled_adamw_step_matches_the_eager_step():
     # drift alike), so after that only the losses are compared.
     for r in testing.run(functools.partial(_train, {"shard": 2}, "adamw"), 2, timeout=240):
         assert r["breaks"] == {} and r["graphs"] == 1
+        assert all("was donated to" in e for e in r["donated"]), r["donated"]
         for compiled_loss, eager_loss in r["losses"]:
             assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
         for a, b in zip(*r["first shards"], strict=True):
@@ -316,3 +338,31 @@ def _checkpointed_blocks_compiled(rank: int) -> tuple:
 def test_checkpointed_blocks_in_a_compiled_step_give_the_unchecked_gradients():
     for compiled, eager in testing.run(_checkpointed_blocks_compiled, 2, timeout=240):
         assert_trees_close(compiled, eager)
+
+
+@isolated()
+def _compiled_dict_steps() -> tuple[list[str], int]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    opt = fs.optim.sgd(0.1, momentum=0.9)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(params, opt_state, x):
+        _, grads = fs.value_and_grad(lambda p: fs.call(model, p, x).sum())(params)
+        return opt.step(grads, opt_state, params)
+
+    opt_state, errors = opt.init(params), []
+    for _ in range(3):
+        old = params
+        params, opt_state = step(params, opt_state, torch.randn(2, 4))
+        with pytest.raises(fs.DonatedError) as caught:
+            old["weight"] + 1
+        errors.append(str(caught.value))
+    return errors, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_a_params_dict_a_compiled_step_donated_raises_when_read():
+    errors, graphs = _compiled_dict_steps()
+    assert graphs == 1
+    assert all("donated to apply_updates(donate=True)" in e for e in errors), errors

@@ -239,6 +239,69 @@ def _use_after_donation(rank: int) -> list[str]:
     return messages
 
 
+def _reads_after_a_fused_step(directory: str, rank: int) -> dict[str, str]:
+    """Every way of reading a state, grads and optimizer state that `opt.step` donated."""
+    model, state = _gpt_state(fs.Mesh(shard=2))
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), _adamw())
+    opt_state = opt.init(state)
+    x, y = random_tokens(model.cfg, 2, seed=rank)
+    _, grads = fs.value_and_grad(functools.partial(_gpt_loss, model))(state, x, y)
+    new_state, new_opt_state = opt.step(grads, opt_state, state)
+    reads = {
+        "a field": lambda: state.shards[0],
+        "a buffer": lambda: state.buffers["attn_mask"],
+        "replace": lambda: fs.unshard(state.replace()),
+        "a tree map": lambda: torch.utils._pytree.tree_map(torch.clone, state),
+        "the grads": lambda: grads.shards[0] * 2,
+        "the optimizer state": lambda: opt_state.states[1].exp_avg[0],
+        "a checkpoint": lambda: fs.checkpoint.save(directory, state, opt_state),
+        "repr": lambda: repr(state),
+    }
+    seen = {}
+    for name, read in reads.items():
+        try:
+            seen[name] = f"nothing raised: {read()!r}"[:80]
+        except fs.DonatedError as e:
+            seen[name] = str(e)
+    seen["new"] = repr(fs.unshard(new_state)["wte.weight"].shape)  # the result is live
+    torch.utils._pytree.tree_leaves(new_opt_state)
+    return seen
+
+
+def test_every_read_of_what_a_step_donated_raises(tmp_path):
+    seen = testing.run(functools.partial(_reads_after_a_fused_step, str(tmp_path)))[0]
+    assert seen.pop("repr") == "nothing raised: 'ShardedState(donated to Optimizer.step)'"
+    assert seen.pop("new") == "torch.Size([61, 32])"
+    for name, message in seen.items():
+        assert "was donated to" in message, (name, message)
+    assert "this value was donated to Optimizer.step" in seen["a field"]
+    assert seen["replace"].startswith("funcshard.ShardedState.replace: this ShardedState")
+    assert "this value was donated to Optimizer.step" in seen["the optimizer state"]
+    assert "funcshard.checkpoint.save: this ShardedState was donated" in seen["a checkpoint"]
+
+
+def test_a_donated_params_dict_raises_on_any_use():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    x = torch.randn(2, 4)
+    _, grads = fs.value_and_grad(lambda p: fs.call(model, p, x).sum())(params)
+    opt = fs.optim.adamw(1e-2)
+    new, _ = opt.step(grads, opt.init(params), params)
+    for use in (
+        lambda: params["weight"] + 1,
+        lambda: torch.mm(x, params["weight"].T),
+        lambda: fs.call(model, params, x),
+        lambda: grads["bias"].sum(),
+        lambda: fs.apply_updates(params, grads),
+    ):
+        with pytest.raises(fs.DonatedError, match="donated to Optimizer.step"):
+            use()
+    with pytest.raises(fs.DonatedError, match="funcshard.call: this params dict was donated"):
+        fs.call(model, params, x)
+    assert fs.call(model, new, x).shape == (2, 3)
+
+
 def test_a_donated_state_or_grads_cannot_be_used_again():
     messages = testing.run(_use_after_donation)[0]
     assert messages[0].startswith(
