@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
     parser.add_argument("--mode", choices=["fsdp", "replicate"], default="fsdp")
+    parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--checkpoint-dir", default=None, help="saves here; resumes from here")
     parser.add_argument("--checkpoint-every", type=int, default=100)
     args = parser.parse_args()
@@ -47,7 +48,9 @@ def main() -> None:
     if args.mode == "replicate":
         mesh = fs.Mesh(replicate=mesh.size, timeout=mesh.timeout)
     rank, world = torch.distributed.get_rank(), mesh.size
-    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
+    cfg = GPTConfig(
+        vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128, dropout=args.dropout
+    )
     with torch.device("meta"):
         model = GPT(cfg)  # no memory: shard() initializes only this rank's slices
     if args.mode == "replicate":
@@ -67,6 +70,7 @@ def main() -> None:
     data = stdlib_bytes()
     grad_fn = fs.value_and_grad(functools.partial(loss_fn, model))
     for step in range(start, args.steps):
+        fs.manual_seed(0, mesh, step)  # this rank's own dropout stream, resumable by step
         g = torch.Generator().manual_seed(step)  # the same global batch on every rank...
         starts = torch.randint(len(data) - cfg.block_size - 1, (args.batch * world,), generator=g)
         windows = torch.stack([data[s : s + cfg.block_size + 1] for s in starts.tolist()])

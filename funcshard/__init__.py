@@ -8,6 +8,7 @@ from funcshard.autodiff import accumulate as accumulate
 from funcshard.autodiff import grad as grad
 from funcshard.autodiff import value_and_grad as value_and_grad
 from funcshard.collectives import CollectiveError as CollectiveError
+from funcshard.failfast import fail_fast as fail_fast
 from funcshard.finite import NonFiniteError as NonFiniteError
 from funcshard.integrity import CheckpointCorrupted as CheckpointCorrupted
 from funcshard.layout import FlatLayout as FlatLayout
@@ -24,6 +25,10 @@ from funcshard.plan import Unit as Unit
 from funcshard.plan import plan as plan
 from funcshard.precision import MixedPrecision as MixedPrecision
 from funcshard.replicate import replicate as replicate
+from funcshard.rng import fold_in as fold_in
+from funcshard.rng import manual_seed as manual_seed
+from funcshard.rng import rank_generator as rank_generator
+from funcshard.rng import rank_seed as rank_seed
 from funcshard.sharded_call import Prefetch as Prefetch
 from funcshard.sharded_call import call as call
 from funcshard.split import Bucket as Bucket
@@ -64,15 +69,20 @@ __all__ = [
     "call",
     "checkpoint",
     "extract",
+    "fail_fast",
+    "fold_in",
     "from_state_dict",
     "full_state_dict",
     "global_norm",
     "grad",
+    "manual_seed",
     "optim",
     "plan",
     "pmean",
     "policy",
     "psum",
+    "rank_generator",
+    "rank_seed",
     "reduce",
     "replicate",
     "reshard",

@@ -45,6 +45,8 @@ class DemoConfig:
     d_model: int = 128
     n_layer: int = 4
     lr: float = 3e-3
+    dropout: float = 0.0  # each rank draws its own masks (fs.manual_seed per rank and step)
+    seed: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
     resume: bool = False
@@ -92,6 +94,7 @@ def model_config(cfg: DemoConfig) -> GPTConfig:
         n_layer=cfg.n_layer,
         n_head=4,
         d_model=cfg.d_model,
+        dropout=cfg.dropout,
     )
 
 
@@ -138,6 +141,10 @@ def train_rank(cfg: DemoConfig, rank: int) -> dict:
         losses, sent, started = [], 0, time.perf_counter()
         bar = _progress_bar(cfg, start_step) if rank == 0 else None
         for step in range(start_step, cfg.steps):
+            # the same global batch on every rank, each training on its part; each rank's
+            # own dropout stream, a function of (seed, rank, step), so a resumed run draws
+            # what an uninterrupted one would
+            fs.manual_seed(cfg.seed, mesh, step)
             x, y = batches(data, cfg, step, cfg.batch * cfg.nproc)
             x, y = x.chunk(cfg.nproc)[rank], y.chunk(cfg.nproc)[rank]
             with collectives.record() as log:
@@ -202,7 +209,6 @@ def _single_process_losses(cfg: DemoConfig, rank: int) -> list[float]:
             "mode": "fsdp",
             "mp": None,
             "steps": PARITY_STEPS,
-            "batch": cfg.batch * cfg.nproc,
             "checkpoint_dir": None,
             "resume": False,
         }
@@ -223,12 +229,27 @@ def _single_process_losses(cfg: DemoConfig, rank: int) -> list[float]:
     with LiveTensors() as memory:
         memory.adopt((params, opt_state))
         for step in range(PARITY_STEPS):
-            x, y = batches(data, one, step, one.batch)
-            loss, grads = fs.value_and_grad(functools.partial(lm_loss, model))(params, x, y)
+            loss, grads = _data_parallel_grads(model, params, data, cfg, step)
             updates, opt_state = opt.update(grads, opt_state, params)
             params = fs.apply_updates(params, updates)
             losses.append(loss.item())
     return losses, memory.peak
+
+
+def _data_parallel_grads(
+    model: GPT, params: dict, data: torch.Tensor, cfg: DemoConfig, step: int
+) -> tuple[torch.Tensor, dict]:
+    """What `cfg.nproc` data-parallel ranks compute at `step`, in one process: each rank's
+    part of the global batch, with that rank's dropout stream, loss and grads averaged."""
+    x, y = batches(data, cfg, step, cfg.batch * cfg.nproc)
+    grad_fn = fs.value_and_grad(functools.partial(lm_loss, model))
+    results = []
+    for rank, (xr, yr) in enumerate(zip(x.chunk(cfg.nproc), y.chunk(cfg.nproc), strict=True)):
+        torch.manual_seed(fs.fold_in(cfg.seed, rank, step))
+        results.append(grad_fn(params, xr, yr))
+    losses, grads = zip(*results, strict=True)
+    mean = torch.stack(losses).mean()
+    return mean, {k: torch.stack([g[k] for g in grads]).mean(0) for k in grads[0]}
 
 
 def unigram_baseline() -> float:
@@ -323,6 +344,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reshard-after-forward", type=lambda s: s.lower() != "false", default=True
     )
     parser.add_argument("--mp", choices=["bf16"], default=None)
+    parser.add_argument(
+        "--dropout", type=float, default=d.dropout, help="each rank draws its own masks"
+    )
+    parser.add_argument("--seed", type=int, default=d.seed, help="folded with rank and step")
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     parser.add_argument("--resume", action="store_true")
@@ -339,6 +364,8 @@ def from_arguments(args: argparse.Namespace) -> DemoConfig:
         mode=args.mode,
         reshard_after_forward=args.reshard_after_forward,
         mp=args.mp,
+        dropout=args.dropout,
+        seed=args.seed,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,

@@ -23,6 +23,7 @@ class GPTConfig:
     n_head: int = 2
     d_model: int = 32
     tie_embeddings: bool = True
+    dropout: float = 0.0  # on each block's two residual branches, in train mode
 
 
 class CausalSelfAttention(nn.Module):
@@ -63,10 +64,14 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
+        self.dropout = cfg.dropout
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self._drop(self.attn(self.ln1(x)))
+        return x + self._drop(self.mlp(self.ln2(x)))
+
+    def _drop(self, x: Tensor) -> Tensor:
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
 
 class GPT(nn.Module):
