@@ -11,6 +11,7 @@ from funcshard.collectives import CollectiveError as CollectiveError
 from funcshard.failfast import fail_fast as fail_fast
 from funcshard.finite import NonFiniteError as NonFiniteError
 from funcshard.integrity import CheckpointCorrupted as CheckpointCorrupted
+from funcshard.jit import compile as compile
 from funcshard.layout import FlatLayout as FlatLayout
 from funcshard.layout import Layout as Layout
 from funcshard.mesh import Mesh as Mesh
@@ -68,6 +69,7 @@ __all__ = [
     "apply_updates",
     "call",
     "checkpoint",
+    "compile",
     "extract",
     "fail_fast",
     "fold_in",

@@ -21,6 +21,7 @@ all-reduce streams ordered by events) awaits a session with a GPU to run it.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import zlib
 from collections.abc import Iterator
@@ -288,15 +289,46 @@ def _failed(
 ) -> CollectiveError:
     ranks = dist.get_process_group_ranks(group) if group is not None else "?"
     unit = f" of unit {what!r}" if what else ""
+    first = first_failure()
+    first = f"First failure (recorded by fs.fail_fast): {first}.\n" if first else ""
     return CollectiveError(
         f"rank {dist.get_rank()}: {op}{unit} over ranks {ranks} did not complete: {cause}\n"
-        f"The last funcshard collective this rank issued: {last_issued()}.\n"
+        f"{first}The last funcshard collective this rank issued: {last_issued()}.\n"
         f"The other ranks of the group did not join it in time: one died or hung, or the "
         f"ranks took different paths (e.g. batch shapes that change which units run). "
         f"Mesh(timeout=...) bounds the wait; Mesh(check_collectives=True) (or "
         f"FUNCSHARD_CHECK_COLLECTIVES=1) compares every collective across ranks first and "
         f"names the first that differs."
     )
+
+
+def record_failure(what: str) -> str | None:
+    """Record this rank's failure (`what`, in words) in the default process group's store
+    unless another rank's is there already; return the one recorded first (None without a
+    reachable store). One store round trip, for the failure path only (funcshard.failfast)."""
+    try:
+        first = _default_store().compare_set(_failure_key(), "", what)
+    except Exception:  # no process group, or its store went with the rank that hosted it
+        return None
+    return first.decode(errors="replace")
+
+
+def first_failure() -> str | None:
+    """The failure a rank recorded first with `record_failure`, if any; never waits for one."""
+    try:
+        store, key = _default_store(), _failure_key()
+        return store.get(key).decode(errors="replace") if store.check([key]) else None
+    except Exception:
+        return None
+
+
+def _default_store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _failure_key() -> str:
+    # Per elastic restart: torchrun's store outlives a round, and its failure is not the next's.
+    return f"funcshard/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 _checked_groups: set[str] = set()
@@ -387,6 +419,23 @@ def _device_of(group: ProcessGroup) -> torch.device:
 def global_rank() -> int:
     """This process's rank in the default group (0 when there is none)."""
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def group_ranks(group: ProcessGroup) -> list[int]:
+    """The global ranks of the group's members, in group order."""
+    return dist.get_process_group_ranks(group)
+
+
+_FAILURE_MARKS = ("gloo", "nccl", "connection closed", "timed out waiting")
+
+
+def is_failure(error: BaseException) -> bool:
+    """Whether `error` came from a collective: torch's distributed errors, or gloo's and
+    NCCL's plain RuntimeErrors (which name the library or the transport's wait)."""
+    if isinstance(error, dist.DistError):
+        return True
+    message = str(error).lower()
+    return any(mark in message for mark in _FAILURE_MARKS)
 
 
 def group_rank(group: ProcessGroup) -> int:

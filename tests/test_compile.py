@@ -7,7 +7,9 @@ computes, on FSDP, DDP and HSDP meshes.
 
 import copy
 import functools
+import time
 import warnings
+from datetime import timedelta
 
 import pytest
 import torch
@@ -366,3 +368,53 @@ def test_a_params_dict_a_compiled_step_donated_raises_when_read():
     errors, graphs = _compiled_dict_steps()
     assert graphs == 1
     assert all("donated to apply_updates(donate=True)" in e for e in errors), errors
+
+
+@isolated(trace_autograd_ops=False)
+def _fs_compile_step(hang: bool, rank: int) -> dict:
+    """A step compiled with fs.compile and no flag set; with `hang`, rank 1 then skips the
+    next step, so rank 0's collectives inside the graph time out."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2))
+    mesh = fs.Mesh(shard=2, timeout=timedelta(seconds=3))
+    state = fs.shard(model, fs.plan(model, policy=fs.policy.module_classes({Block})), mesh)
+    opt = fs.optim.sgd(0.1)
+
+    @fs.compile(backend="aot_eager", fullgraph=True)
+    def train_step(state, opt_state, x, y):
+        loss, grads = fs.value_and_grad(functools.partial(_gpt_loss, model))(state, x, y)
+        state, opt_state = opt.step(grads, opt_state, state)
+        return loss, state, opt_state
+
+    opt_state, result = opt.init(state), {}
+    for i in range(3):
+        x, y = random_tokens(model.cfg, 2, seed=10 * rank + i)
+        _, state, opt_state = train_step(state, opt_state, x, y)
+    result["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    result["breaks"] = _graph_breaks()
+    result["flag after"] = torch._dynamo.config.trace_autograd_ops
+    if hang and rank == 1:
+        time.sleep(6)  # past rank 0's timeout
+    elif hang:
+        started = time.monotonic()
+        with pytest.raises(fs.CollectiveError) as caught:
+            train_step(state, opt_state, x, y)
+        result["error"], result["seconds"] = str(caught.value), time.monotonic() - started
+    return result
+
+
+def test_fs_compile_makes_a_step_one_graph_without_private_flags():
+    for r in testing.run(functools.partial(_fs_compile_step, False), 2, timeout=240):
+        assert r["graphs"] == 1 and r["breaks"] == {}
+        assert r["flag after"] is False  # scoped to the compiled calls
+
+
+def test_a_collective_that_times_out_inside_a_compiled_step_raises_collective_error():
+    r = testing.run(functools.partial(_fs_compile_step, True), 2, timeout=240, fresh=True)[0]
+    assert r["seconds"] < 6, r["seconds"]
+    assert r["error"].startswith(
+        "rank 0: a collective inside the compiled step "
+        "'_fs_compile_step.<locals>.train_step' over the mesh replicate=1 x shard=2 "
+        "(ranks [0, 1]) did not complete: "
+    ), r["error"]
+    assert "Timed out" in r["error"] and "units" in r["error"]
