@@ -51,7 +51,7 @@ def _rank(layers: int, backend: str, rounds: int, rank: int) -> dict:
         "compiled": _close(compiled(state, x, y), eager),
     }
     compile_s = time.perf_counter() - started
-    torch._dynamo.config.trace_autograd_ops = True  # so the whole step is one graph
+    torch._dynamo.config.trace_autograd_ops = True  # as fs.compile sets (the whole step, one graph)
     whole = torch.compile(step, backend=backend, fullgraph=True)
     started = time.perf_counter()
     checks["torch.compile"] = _close(whole(state, x, y), eager)
