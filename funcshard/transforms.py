@@ -83,6 +83,9 @@ def shard(
 def unshard(state: ShardedState, units: Sequence[str] | None = None) -> dict[str, Tensor]:
     """Gather full parameters (all of them, or those of `units`) in their original dtypes.
 
+    The dict lists them in the model's `named_parameters()` order, replicated ones included,
+    as `extract(model)` does, so the two compare as pytrees without reordering.
+
     Communicates: one all-gather over the shard axis per flat buffer (none when the shard axis
     has size 1, where the result shares memory with the state). Law: inverts `shard`.
     """
@@ -91,17 +94,18 @@ def unshard(state: ShardedState, units: Sequence[str] | None = None) -> dict[str
 
 @dataclass(frozen=True)
 class UnshardHandle:
-    """All-gathers in flight; `wait()` returns the full parameters by FQN."""
+    """All-gathers in flight; `wait()` returns the full parameters by FQN, in `fqns` order."""
 
     pending: tuple[tuple[FlatLayout, collectives.Pending], ...]
     replicated: dict[str, Tensor]
+    fqns: tuple[str, ...]  # the model's `named_parameters()` order (see `_model_order`)
 
     def wait(self) -> dict[str, Tensor]:
         full = {}
         for flat, pending in self.pending:
             full.update(zip(flat.fqns, param_views(pending.wait(), flat), strict=True))
         full.update(self.replicated)
-        return full
+        return {f: full[f] for f in self.fqns}
 
 
 def unshard_async(state: ShardedState, units: Sequence[str] | None = None) -> UnshardHandle:
@@ -121,7 +125,22 @@ def unshard_async(state: ShardedState, units: Sequence[str] | None = None) -> Un
         for i in indices
     )
     replicated = {f: t.clone() for f, t in state.replicated.items()} if units is None else {}
-    return UnshardHandle(pending, replicated)
+    gathered = [f for i in indices for f in layout.flats[i].fqns]
+    return UnshardHandle(pending, replicated, _model_order(layout, [*gathered, *replicated]))
+
+
+def _model_order(layout: Layout, fqns: Sequence[str]) -> tuple[str, ...]:
+    """`fqns` in the model's `named_parameters()` order, which `extract` and a plain model use.
+
+    Units are laid out in plan (post-)order, so the flat buffers alone would list a child's
+    parameters before its parent's, and torch's pytrees tell dicts apart by key order.
+    `state_dict()` visits modules and parameters in the order `named_parameters()` does; names
+    it does not list (a module with state_dict hooks of its own) follow in the order given.
+    """
+    wanted = set(fqns)
+    ordered = [k for k in layout.state_dict_keys if k in wanted]
+    listed = set(ordered)
+    return (*ordered, *(f for f in fqns if f not in listed))
 
 
 def reshard(state: ShardedState, full: Mapping[str, Tensor]) -> ShardedState:

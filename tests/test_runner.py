@@ -157,3 +157,33 @@ def test_a_hang_in_a_step_is_reported_by_the_runner_before_pytest_timeout():
     assert "all_gather of unit 'blocks.1'" in report  # rank 1's last: forward's gather
     assert "in _finish_last" in report  # rank 0's stack: the reduce it waits for
     assert "in _rank1_skips_the_reduce" in report  # rank 1's: where it sleeps
+
+
+def _rank1_raises_before_rank0s_all_reduce(rank: int) -> float:
+    import funcshard as fs
+    from funcshard import collectives
+
+    mesh = fs.Mesh(shard=2)
+    if rank == 1:
+        return [][rank]  # IndexError, before the collective rank 0 is about to enter
+    return collectives.all_reduce(torch.ones(1), mesh.shard_group, op="sum").wait().item()
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_that_raises_is_reported_within_seconds_while_another_waits_for_it():
+    """Rank 0 waits in an all-reduce that rank 1, which raised, never enters: the report used
+    to come only after the whole timeout (every hypothesis shrink step of such a bug paid
+    it); now rank 1's exception comes back within seconds and the pool is recycled."""
+    before = testing.run(_pid, world_size=2)
+    start = time.monotonic()
+    with pytest.raises(IndexError, match="list index out of range") as info:
+        testing.run(_rank1_raises_before_rank0s_all_reduce, world_size=2, timeout=120)
+    assert time.monotonic() - start < 10
+    assert "raised on rank 1 of 2" in str(info.value.__cause__)
+    assert "return [][rank]" in str(info.value.__cause__)  # rank 1's remote traceback
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "ranks [0] had not finished" in notes
+    assert "rank 0 (last funcshard collective issued: #1, all_reduce over ranks [0, 1]" in notes
+    after = testing.run(_pid, world_size=2)
+    assert set(after).isdisjoint(before)  # a fresh pool
+    assert testing.run(_sum_of_ranks, world_size=2) == [(0, 3.0), (1, 3.0)]

@@ -15,7 +15,11 @@ tensors travel by value, never through shared-memory file descriptors.
 A call fails loudly and never waits forever: a rank that dies is reported with its exit code
 as soon as its process ends; a call that outlives `timeout` asks each unfinished rank for its
 Python stack (faulthandler on SIGUSR1), so the error says what every rank was waiting on, and
-the pool is killed; the next call starts a fresh one. A rank that raises leaves the pool usable.
+the pool is killed; the next call starts a fresh one. A rank that raises leaves the pool usable
+when the other ranks finish too; ranks still running `ERROR_GRACE` seconds after it are
+usually waiting in a collective it never entered, so its exception is reported then, with
+their stacks, and the pool is killed, instead of after the whole `timeout` (which every
+hypothesis shrink step of such a bug would pay).
 """
 
 from __future__ import annotations
@@ -61,10 +65,12 @@ def run(
     `fn` must pickle by reference (a module-level function, or `functools.partial` of one with
     picklable arguments). Draw hypothesis examples in the caller and bind them with partial, so
     every rank sees the same example. A rank's exception is re-raised here with its rank and
-    remote traceback; a hang past `timeout` seconds raises TimeoutError naming the ranks that
-    did not finish, where each was waiting and the last collective each issued. Under pytest
-    with pytest-timeout, `timeout` is capped to end a few seconds before the test's, so this
-    report is what fails a hung test (see funcshard/testing/pytest_plugin.py).
+    remote traceback, within `ERROR_GRACE` seconds even while other ranks wait for it (their
+    stacks become a note on it and the pool is recycled); a hang past `timeout` seconds raises
+    TimeoutError naming the ranks that did not finish, where each was waiting and the last
+    collective each issued. Under pytest with pytest-timeout, `timeout` is capped to end a few
+    seconds before the test's, so this report is what fails a hung test (see
+    funcshard/testing/pytest_plugin.py).
 
     `fresh=True` runs on ranks of their own, ended afterwards: for tests that break process
     groups on purpose (timeouts, faults) and must not leave them to later calls.
@@ -77,7 +83,7 @@ def run(
         try:
             return pool.run(fn, timeout)
         finally:
-            pool.close(kill=True)
+            pool.quit()
     key = (world_size, backend)
     pool = _POOLS.get(key)
     if pool is None or not pool.alive():
@@ -175,19 +181,24 @@ class WorkerPool:
         """Wait for every rank's reply; raise on a dead rank or when `timeout` runs out.
 
         After a rank dies the others get `DEATH_GRACE` seconds more to report, so the error
-        also says how the survivors noticed (their exception becomes its cause).
+        also says how the survivors noticed (their exception becomes its cause). After a rank
+        raises they get `ERROR_GRACE` seconds to finish (see `_stranded`).
         """
         replies: dict[int, tuple[Any, ...]] = {}
         dead: list[int] = []
         deadline = time.monotonic() + timeout
+        grace: float | None = None  # when the others' time to finish ends, once a rank raised
         while pending := [r for r in range(self.world_size) if r not in replies and r not in dead]:
             waitables = [self._conns[r] for r in pending] + [
                 self._procs[r].sentinel for r in pending
             ]
-            ready = wait(waitables, timeout=max(0.0, deadline - time.monotonic()))
+            until = deadline if grace is None else min(deadline, grace)
+            ready = wait(waitables, timeout=max(0.0, until - time.monotonic()))
             if not ready:
                 if dead:
                     break
+                if grace is not None and grace < deadline:
+                    raise self._stranded(name, pending, replies)
                 raise self._timeout(name, timeout, pending, replies)
             for r in pending:
                 if self._conns[r] in ready or self._procs[r].sentinel in ready:
@@ -197,6 +208,8 @@ class WorkerPool:
                         deadline = min(deadline, time.monotonic() + DEATH_GRACE)
                     else:
                         replies[r] = reply
+                        if reply[0] == "error" and grace is None:
+                            grace = time.monotonic() + ERROR_GRACE
         if dead:
             raise self._died(name, dead[0], replies)
         return replies
@@ -219,11 +232,7 @@ class WorkerPool:
         finally:
             self.close(kill=True)
         finished = [r for r in range(self.world_size) if r not in pending]
-        where = "\n".join(
-            f"--- rank {r} (last funcshard collective issued: {last[r]}) was waiting in:\n"
-            f"{stacks[r]}"
-            for r in pending
-        )
+        where = _waiting_in(pending, last, stacks)
         error = TimeoutError(
             f"testing.run({name}, world_size={self.world_size}): ranks {pending} did not finish "
             f"within {timeout:g} s (finished: {finished}). A rank is usually stuck in a "
@@ -231,6 +240,32 @@ class WorkerPool:
             f"starts a fresh one.\n{where}{_raised_before(replies)}"
         )
         return _with_rank_cause(error, replies, name, self.world_size)
+
+    def _stranded(
+        self, name: str, pending: list[int], replies: dict[int, tuple[Any, ...]]
+    ) -> BaseException:
+        """The first rank exception, once the ranks still running had `ERROR_GRACE` seconds to
+        finish after it: they are usually waiting in a collective that the raising rank never
+        entered, which only the timeout would end. The note says where each was waiting; the
+        pool is killed (their process group is stuck)."""
+        try:
+            last = self._last_collectives(pending)
+            stacks = self._stacks(pending)
+        finally:
+            self.close(kill=True)
+        errors = {r: reply for r, reply in replies.items() if reply[0] == "error"}
+        error = _rank_exception(errors, name, self.world_size)
+        note = (
+            f"testing.run({name}, world_size={self.world_size}): ranks {pending} had not "
+            f"finished {ERROR_GRACE:g} s after rank {min(errors)} raised; a rank is usually "
+            f"waiting in a collective that the raising rank never entered. The pool was "
+            f"killed; the next call starts a fresh one.\n{_waiting_in(pending, last, stacks)}"
+        )
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+        else:  # Python 3.10: no notes; the remote traceback carries it
+            error.__cause__ = RemoteTraceback(f"{error.__cause__}\n{note}")
+        return error
 
     def _died(self, name: str, rank: int, replies: dict[int, tuple[Any, ...]]) -> RankDied:
         self._procs[rank].join(1.0)
@@ -278,6 +313,24 @@ class WorkerPool:
                 stacks[r] = "(no stack: the rank had not started yet)"
         return stacks
 
+    def quit(self) -> None:
+        """End the workers at once, without leaving a process group the call may have broken,
+        but through a normal exit, so that multiprocessing's finalizers run in them.
+
+        A killed worker leaves the semaphores it made (torch.compile's compile workers make
+        some) registered with the resource tracker, which warns about "leaked semaphore
+        objects" when the caller exits. A worker still running a function `QUIT_GRACE` seconds
+        later is killed.
+        """
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            if proc.is_alive():
+                with contextlib.suppress(OSError):  # gone meanwhile: close() reaps it
+                    conn.send_bytes(_QUIT)
+        deadline = time.monotonic() + QUIT_GRACE
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self.close(kill=True)
+
     def close(self, kill: bool = False) -> None:
         """Stop the workers: politely (they leave the process group), or at once with `kill`."""
         if kill:  # before closing the pipes, which would start a polite shutdown
@@ -295,6 +348,10 @@ class WorkerPool:
 
 _POOLS: dict[tuple[int, str], WorkerPool] = {}
 DEATH_GRACE = 10.0  # seconds the surviving ranks get to report after one dies
+# Seconds the other ranks get to finish after one raises: ranks that raise the same error do
+# so within milliseconds, and a rank still running later is usually waiting on the one that
+# raised. Long enough for a loaded 2-core machine, short against a hypothesis shrink.
+ERROR_GRACE = 2.0
 
 
 @atexit.register
@@ -338,6 +395,14 @@ def _dumps_task(fn: Callable[..., Any]) -> bytes:
         ) from e
 
 
+def _waiting_in(pending: list[int], last: dict[int, str], stacks: dict[int, str]) -> str:
+    """Each unfinished rank's last funcshard collective and Python stack, for a report."""
+    return "\n".join(
+        f"--- rank {r} (last funcshard collective issued: {last[r]}) was waiting in:\n{stacks[r]}"
+        for r in pending
+    )
+
+
 def _raised_before(replies: dict[int, tuple[Any, ...]]) -> str:
     """Name the ranks that raised before the call failed otherwise (their error is the cause)."""
     raised = sorted(r for r, reply in replies.items() if reply[0] == "error")
@@ -376,6 +441,11 @@ def _rank_exception(
     return exc
 
 
+# What WorkerPool.quit sends a worker instead of a task (a pickled task starts with b"\x80").
+_QUIT = b"quit"
+QUIT_GRACE = 5.0  # seconds an idle worker gets to exit normally; a busy one is then killed
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -402,6 +472,8 @@ def _worker_main(
             payload = conn.recv_bytes()
         except EOFError:
             break
+        if payload == _QUIT:  # see WorkerPool.quit
+            return
         conn.send_bytes(_run_task(rank, payload))
     with contextlib.suppress(RuntimeError):  # a rank already gone: nothing to leave cleanly
         shutdown(timedelta(seconds=5))

@@ -8,6 +8,7 @@ seed through a `torch.Generator`, never zeros.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,15 +75,21 @@ def meshes(draw: st.DrawFn, world_sizes: tuple[int, ...] = (1, 2, 3, 4)) -> Mesh
 # A module tree is drawn as a spec (nested tuples) and built from a seed, so any process
 # builds the same module. Leaves: (kind, frozen); containers: (kind, children).
 _LEAF_KINDS = ("linear", "linear_nobias", "layernorm", "batchnorm", "scale", "tied", "shared")
-_leaf = st.tuples(st.sampled_from(_LEAF_KINDS), st.booleans())
-_specs = st.recursive(
-    _leaf,
-    lambda children: st.tuples(
-        st.sampled_from(("sequential", "stack", "residual")),
-        st.lists(children, min_size=1, max_size=3).map(tuple),
-    ),
-    max_leaves=8,
-)
+_BATCH_STATS_KINDS = ("batchnorm",)  # mix the rows of a batch in train mode
+_CONTAINER_KINDS = ("sequential", "stack", "residual")
+
+
+@functools.cache  # one recursive strategy per option set, not one per draw
+def _specs(kinds: tuple[str, ...], frozen: bool | None) -> st.SearchStrategy:
+    """Nested spec tuples of at most 8 leaves, each leaf one of `kinds` and frozen as given
+    (drawn per leaf when None)."""
+    return st.recursive(
+        st.tuples(st.sampled_from(kinds), st.booleans() if frozen is None else st.just(frozen)),
+        lambda children: st.tuples(
+            st.sampled_from(_CONTAINER_KINDS), st.lists(children, min_size=1, max_size=3).map(tuple)
+        ),
+        max_leaves=8,
+    )
 
 
 @dataclass(frozen=True)
@@ -105,11 +112,32 @@ class ModuleSpec:
 
 
 @st.composite
-def modules(draw: st.DrawFn, max_width: int = 8) -> ModuleSpec:
+def modules(
+    draw: st.DrawFn, max_width: int = 8, batch_stats: bool = True, frozen_mixes: bool = True
+) -> ModuleSpec:
     """Random module trees: nested Sequential/ModuleList/custom modules with tied and frozen
-    parameters and buffers (BatchNorm's running stats among them). Build with `.build()`."""
+    parameters and buffers. Build with `.build()`.
+
+    Laws every drawn tree satisfies (tests/test_testing_toolkit.py checks them):
+
+    - `spec.build()` gives bitwise the same module in any process, and that module maps a
+      (batch, width) float32 input, such as `spec.example_input()`, to (batch, width).
+    - It has at least one parameter, all float32, and may tie them: a module registered under
+      two names ("tied") or a parameter held by two modules ("shared").
+    - With `batch_stats=False` (no BatchNorm) the forward is pure and per row, in train mode
+      too: buffers are never written and row i of the output depends on row i of the input
+      only, so a batch split over ranks gives one process's mean loss and gradients. BatchNorm
+      in train mode breaks both: it updates its running stats and normalizes by the batch's.
+      With BatchNorm, call `.eval()` for the same laws.
+    - With `frozen_mixes=False` all parameters of a tree are frozen or none is (drawn once per
+      tree), so `funcshard.plan` with its default `frozen="error"` accepts it under any
+      policy; otherwise frozen leaves mix with trainable ones and a unit that holds both needs
+      `frozen="warn"`.
+    """
+    kinds = tuple(k for k in _LEAF_KINDS if batch_stats or k not in _BATCH_STATS_KINDS)
+    frozen = None if frozen_mixes else draw(st.booleans())
     return ModuleSpec(
-        tree=draw(_specs),
+        tree=draw(_specs(kinds, frozen)),
         width=draw(st.integers(2, max_width)),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
