@@ -295,9 +295,9 @@ def test_a_donated_params_dict_raises_on_any_use():
         lambda: grads["bias"].sum(),
         lambda: fs.apply_updates(params, grads),
     ):
-        with pytest.raises(fs.DonatedError, match="donated to Optimizer.step"):
+        with pytest.raises(fs.DonatedError, match=r"donated to Optimizer\.step"):
             use()
-    with pytest.raises(fs.DonatedError, match="funcshard.call: this params dict was donated"):
+    with pytest.raises(fs.DonatedError, match=r"funcshard\.call: this params dict was donated"):
         fs.call(model, params, x)
     assert fs.call(model, new, x).shape == (2, 3)
 
