@@ -421,6 +421,15 @@ def global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def issued_count(group: ProcessGroup) -> int | None:
+    """How many collectives this rank has issued on `group` (the backend's sequence number,
+    gloo's and NCCL's alike), or None where the backend keeps none."""
+    try:
+        return group._get_sequence_number_for_group()
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def group_ranks(group: ProcessGroup) -> list[int]:
     """The global ranks of the group's members, in group order."""
     return dist.get_process_group_ranks(group)

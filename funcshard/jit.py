@@ -10,8 +10,11 @@ It also names failures as eager steps do. Inside a compiled graph the collective
 compiler's nodes, so a peer that died or hung surfaces as a bare gloo/NCCL error
 ("Connection closed by peer", "Timed out waiting 3000ms for send"). `compile` turns such
 an error into `CollectiveError` naming the compiled function, the ranks of the mesh of the
-state it was given and the cause. What it cannot name is which of the graph's collectives
-failed: the graph runs without Python between its nodes.
+state it was given, the cause, and which collective it was: the graph runs without Python
+between its nodes, but the backend numbers every collective on a group (its sequence
+number), so the difference across the call says it was the call's k-th on that mesh axis;
+and since a traced `fs.call` gathers every flat buffer first, in layout order, a k within
+those names the unit whose all-gather it was.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch.utils._pytree as pytree
 
 from funcshard import collectives
 from funcshard.collectives import CollectiveError
@@ -40,6 +42,8 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
 
     @functools.wraps(fn)
     def step(*args: Any, **kwargs: Any) -> Any:
+        state = next((a for a in (*args, *kwargs.values()) if isinstance(a, ShardedState)), None)
+        before = _issued(state)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             try:
                 return compiled(*args, **kwargs)
@@ -48,39 +52,66 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
             except RuntimeError as error:
                 if not collectives.is_failure(error):
                     raise
-                raise _failed_inside(fn, args, kwargs, error) from error
+                raise _failed_inside(fn, state, before, error) from error
 
     return step
 
 
+def _issued(state: ShardedState | None) -> dict[str, int | None]:
+    """How many collectives this rank has issued on each axis of the state's mesh."""
+    if state is None:
+        return {}
+    mesh = state.layout.mesh
+    return {
+        "shard": collectives.issued_count(mesh.shard_group) if mesh.shard > 1 else None,
+        "replicate": collectives.issued_count(mesh.replicate_group) if mesh.replicate > 1 else None,
+    }
+
+
 def _failed_inside(
-    fn: Callable[..., Any], args: tuple, kwargs: dict, cause: BaseException
+    fn: Callable[..., Any],
+    state: ShardedState | None,
+    before: dict[str, int | None],
+    cause: BaseException,
 ) -> CollectiveError:
-    states = [
-        leaf
-        for leaf in pytree.tree_leaves(
-            (args, kwargs), is_leaf=lambda x: isinstance(x, ShardedState)
-        )
-        if isinstance(leaf, ShardedState)
-    ]
-    if states:
-        mesh = states[0].layout.mesh
+    name = getattr(fn, "__qualname__", repr(fn))
+    where = which = ""
+    if state is not None:
+        mesh = state.layout.mesh
         where = (
             f" over the mesh replicate={mesh.replicate} x shard={mesh.shard} "
             f"(ranks {collectives.group_ranks(mesh.group)})"
         )
-        units = ", ".join(states[0].layout.units)
-        holds = f"\nIts graph gathers and reduces the units {units}."
-    else:
-        where, holds = "", ""
-    name = getattr(fn, "__qualname__", repr(fn))
-    rank = collectives.global_rank()
+        which = _which(state, before, _issued(state))
     return CollectiveError(
-        f"rank {rank}: a collective inside the compiled step {name!r}{where} did not "
-        f"complete: {cause}{holds}\n"
-        f"The last funcshard collective this rank issued eagerly: {collectives.last_issued()}.\n"
+        f"rank {collectives.global_rank()}: a collective inside the compiled step {name!r}"
+        f"{where} did not complete: {cause}{which}\n"
         f"The other ranks did not join it in time: one died or hung, or the ranks took "
-        f"different paths. Mesh(timeout=...) bounds the wait. Which of the graph's "
-        f"collectives failed is not known inside a compiled graph: run the step eagerly "
-        f"with Mesh(check_collectives=True) to name it."
+        f"different paths. Mesh(timeout=...) bounds the wait; run the step eagerly with "
+        f"Mesh(check_collectives=True) to compare every collective across ranks."
     )
+
+
+def _which(state: ShardedState, before: dict[str, int | None], after: dict[str, int | None]) -> str:
+    """Which collective of the call was the last issued on each mesh axis, counted by the
+    backend's sequence numbers: the call's k-th there. A traced `fs.call` gathers every flat
+    buffer first, in layout order, so the first ones on the shard axis name their units."""
+    lines = []
+    for axis, start in before.items():
+        end = after.get(axis)
+        if start is None or end is None or end == start:
+            continue
+        k = end - start
+        flats = state.layout.flats
+        unit = (
+            f": the all-gather of unit {flats[k - 1].name!r} if the step's first "
+            f"collectives are its first fs.call's gathers"
+            if k <= len(flats) and axis == "shard"
+            else ""
+        )
+        lines.append(
+            f"\nThe last collective this call issued on the {axis} axis was its #{k} there "
+            f"(ranks {collectives.group_ranks(getattr(state.layout.mesh, axis + '_group'))})"
+            f"{unit}."
+        )
+    return "".join(lines)

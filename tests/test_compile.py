@@ -417,4 +417,8 @@ def test_a_collective_that_times_out_inside_a_compiled_step_raises_collective_er
         "'_fs_compile_step.<locals>.train_step' over the mesh replicate=1 x shard=2 "
         "(ranks [0, 1]) did not complete: "
     ), r["error"]
-    assert "Timed out" in r["error"] and "units" in r["error"]
+    assert "Timed out" in r["error"]
+    assert (
+        "The last collective this call issued on the shard axis was its #1 there (ranks [0, 1]): "
+        "the all-gather of unit 'blocks.0[float32]'" in r["error"]
+    ), r["error"]
