@@ -109,7 +109,7 @@ class Pending:
         done: bool = False,
         op: str = "",
         group: ProcessGroup | None = None,
-        what: str = "",
+        what: str | None = None,
         chunk_into: Tensor | None = None,
     ) -> None:
         self._tensor = tensor
@@ -139,7 +139,7 @@ class Pending:
         return self._chunk_into if self._chunk_into is not None else self._tensor
 
 
-def all_gather(shard: Tensor, group: ProcessGroup, what: str = "") -> Pending:
+def all_gather(shard: Tensor, group: ProcessGroup, what: str | None = None) -> Pending:
     """Concatenate every rank's 1-D `shard` in rank order: (numel * group size,).
 
     `what` (e.g. the unit's name) only labels the error if the collective fails.
@@ -153,7 +153,7 @@ def all_gather(shard: Tensor, group: ProcessGroup, what: str = "") -> Pending:
 
 
 def reduce_scatter(
-    flat: Tensor, group: ProcessGroup, op: str = "avg", what: str = "", owned: bool = False
+    flat: Tensor, group: ProcessGroup, op: str = "avg", what: str | None = None, owned: bool = False
 ) -> Pending:
     """Reduce 1-D `flat` over the group (op "avg" or "sum"); rank r keeps chunk r.
 
@@ -204,7 +204,11 @@ _BACKENDS: dict[str, str] = {}
 
 
 def all_reduce(
-    tensor: Tensor, group: ProcessGroup, op: str = "avg", inplace: bool = False, what: str = ""
+    tensor: Tensor,
+    group: ProcessGroup,
+    op: str = "avg",
+    inplace: bool = False,
+    what: str | None = None,
 ) -> Pending:
     """Reduce `tensor` over the group (op "avg" or "sum"); every rank gets the result.
 
@@ -246,7 +250,15 @@ class _Issued:
     """The last collective this process issued, numbered: (count, op, unit, numel, dtype,
     group), one tuple so a reader on another thread never sees half of an update."""
 
-    last: tuple[int, str, str, int, torch.dtype, ProcessGroup] | None = None
+    last: tuple[int, str, str | None, int, torch.dtype, ProcessGroup] | None = None
+
+
+def unit_words(what: str | None, preposition: str = "of") -> str:
+    """ " of unit 'blocks.0'" for a collective's label (the root unit's name is empty), or
+    nothing for an unlabelled collective."""
+    if what is None:
+        return ""
+    return f" {preposition} the root unit" if what == "" else f" {preposition} unit {what!r}"
 
 
 def last_issued() -> str:
@@ -256,7 +268,7 @@ def last_issued() -> str:
     if last is None:
         return "none yet"
     count, op, what, numel, dtype, group = last
-    unit = f" of unit {what!r}" if what else ""
+    unit = unit_words(what)
     try:
         ranks = f" over ranks {dist.get_process_group_ranks(group)}"
     except Exception:  # the group was destroyed since
@@ -270,7 +282,7 @@ def reset_issued() -> None:
     _Issued.last = None
 
 
-def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str) -> None:
+def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str | None) -> None:
     """Count the collective as the last issued, record it for `record()` and, on a checked
     group, compare it across ranks."""
     chaos.point()
@@ -285,10 +297,10 @@ def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str) -> None:
 
 
 def _failed(
-    op: str, group: ProcessGroup | None, what: str, cause: BaseException
+    op: str, group: ProcessGroup | None, what: str | None, cause: BaseException
 ) -> CollectiveError:
     ranks = dist.get_process_group_ranks(group) if group is not None else "?"
-    unit = f" of unit {what!r}" if what else ""
+    unit = unit_words(what)
     first = first_failure()
     first = f"First failure (recorded by fs.fail_fast): {first}.\n" if first else ""
     return CollectiveError(
@@ -350,7 +362,7 @@ def forget_checked_groups() -> None:
     _BACKENDS.clear()
 
 
-def _agree(op: str, group: ProcessGroup, tensor: Tensor, what: str) -> None:
+def _agree(op: str, group: ProcessGroup, tensor: Tensor, what: str | None) -> None:
     mine = (op, tensor.numel(), str(tensor.dtype), what)
     code = [_OP_CODES[op], tensor.numel(), zlib.crc32(f"{tensor.dtype}|{what}".encode())]
     local = torch.tensor(code, dtype=torch.int64, device=tensor.device)
@@ -365,7 +377,7 @@ def _agree(op: str, group: ProcessGroup, tensor: Tensor, what: str) -> None:
     ranks = dist.get_process_group_ranks(group)
     theirs = all_gather_object(mine, group)
     lines = "\n".join(
-        f"  rank {r}: {o} of {n} x {d}" + (f" for unit {w!r}" if w else "")
+        f"  rank {r}: {o} of {n} x {d}" + unit_words(w, "for")
         for r, (o, n, d, w) in zip(ranks, theirs, strict=True)
     )
     raise CollectiveError(

@@ -519,3 +519,9 @@ def test_a_reentrant_checkpoint_around_a_sharded_call_is_refused_the_other_kind_
     for message in testing.run(functools.partial(_checkpointed_whole_call, True)):
         assert "use_reentrant=True) around a call on a sharded state" in message
     assert all(testing.run(functools.partial(_checkpointed_whole_call, False)))
+
+
+def test_collective_errors_name_the_root_unit_whose_name_is_empty():
+    assert collectives.unit_words("") == " of the root unit"
+    assert collectives.unit_words("blocks.0") == " of unit 'blocks.0'"
+    assert collectives.unit_words(None) == ""
