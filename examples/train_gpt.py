@@ -78,12 +78,15 @@ def main() -> None:
         loss, grads = grad_fn(state, x.to(mesh.device), y.to(mesh.device))
         # update and apply in one, reusing the old state's and grads' memory (donated)
         state, opt_state = opt.step(grads, opt_state, state)
-        if rank == 0 and step % 50 == 0:
-            print(f"step {step} loss {loss.item():.3f}", flush=True)
+        if step % 50 == 0:
+            mean = fs.pmean(loss.detach(), mesh).item()  # every rank's batch, not just ours
+            if rank == 0:
+                print(f"step {step} loss {mean:.3f}", flush=True)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
             fs.checkpoint.save(args.checkpoint_dir, state, opt_state, step=step + 1)
+    mean = fs.pmean(loss.detach(), mesh).item()
     if rank == 0:
-        print(f"final loss {loss.item():.3f}")
+        print(f"final loss {mean:.3f}")
     fs.shutdown()
 
 
