@@ -29,6 +29,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.utils._pytree as torch_pytree
 from torch import Tensor
 
 from funcshard import collectives, integrity
@@ -60,6 +61,8 @@ def save(
     all-gathers of the save counter, the checksums and the commit's outcome.
     """
     ensure_live(state, "checkpoint.save")
+    if opt_state is not None:  # on every rank, before any collective
+        _optim_leaves(opt_state, state.layout)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"funcshard.checkpoint.save: keep must be an int >= 1, got {keep!r}.")
     try:  # on every rank, before any collective: a late failure on one rank would hang
@@ -331,22 +334,76 @@ def _join(prefix: str, loaded: dict[str, Any], flat: FlatLayout, layout: Layout)
 
 
 def _optim_leaves(opt_state: Any, layout: Layout) -> tuple[list[Any], Any]:
-    """Each optimizer tensor with its key, and the flat index it lines up with (or None)."""
-    accessors, leaves, spec = optree.tree_flatten_with_accessor(opt_state)
-    described = []
-    for accessor, leaf in zip(accessors, leaves, strict=True):
-        path = accessor.codify("").lstrip(".")
-        index = accessor[-1].entry if len(accessor) else None
-        aligned = (
-            isinstance(leaf, Tensor)
-            and isinstance(index, int)
-            and index < len(layout.flats)
-            and leaf.dim() == 1
-            and leaf.numel() == layout.flats[index].shard_numel
-        )
-        key = path.rsplit("[", 1)[0] if aligned else path
-        described.append((leaf, f"optim/{key}", index if aligned else None))
-    return described, spec
+    """Each optimizer leaf with its key, and the flat index it lines up with (or None).
+
+    Flattened with torch's pytree (funcshard's records, dicts, tuples, NamedTuples and
+    dataclasses registered with `torch.utils._pytree`), and what torch sees as a leaf with
+    optree's (types registered there); a leaf neither knows, other than a tensor, a number,
+    a string or None, raises naming its path, so no state is silently left out.
+    """
+    paths_and_leaves, spec = torch_pytree.tree_flatten_with_path(opt_state)
+    described, parts = [], []
+    for path, leaf in paths_and_leaves:
+        prefix = torch_pytree.keystr(path)
+        if _savable(leaf):
+            items, part = [(prefix, leaf, path[-1] if path else None)], None
+        else:
+            accessors, sub_leaves, sub_spec = optree.tree_flatten_with_accessor(
+                leaf, none_is_leaf=True
+            )
+            if len(sub_leaves) == 1 and sub_leaves[0] is leaf:
+                _refuse(prefix, leaf)
+            items = [
+                (prefix + acc.codify(""), sub, acc[-1] if len(acc) else None)
+                for acc, sub in zip(accessors, sub_leaves, strict=True)
+            ]
+            part = (sub_spec, len(items))
+            for key, sub, _ in items:
+                if not _savable(sub):
+                    _refuse(key, sub)
+        parts.append(part)
+        for key, item, last in items:
+            index = getattr(last, "idx", getattr(last, "entry", None))
+            aligned = (
+                isinstance(item, Tensor)
+                and isinstance(index, int)
+                and index < len(layout.flats)
+                and item.dim() == 1
+                and item.numel() == layout.flats[index].shard_numel
+            )
+            key = key.lstrip(".")
+            key = key.rsplit("[", 1)[0] if aligned else key
+            described.append((item, f"optim/{key}", index if aligned else None))
+    return described, (spec, parts)
+
+
+def _rebuild_optim(spec: Any, leaves: list[Any]) -> Any:
+    """The optimizer state `_optim_leaves` flattened, from its (loaded) leaves."""
+    torch_spec, parts = spec
+    outer, at = [], 0
+    for part in parts:
+        if part is None:
+            outer.append(leaves[at])
+            at += 1
+        else:
+            sub_spec, count = part
+            outer.append(optree.tree_unflatten(sub_spec, leaves[at : at + count]))
+            at += count
+    return torch_pytree.tree_unflatten(outer, torch_spec)
+
+
+def _savable(leaf: Any) -> bool:
+    return leaf is None or isinstance(leaf, Tensor | int | float | bool | str)
+
+
+def _refuse(path: str, leaf: Any) -> None:
+    raise TypeError(
+        f"funcshard.checkpoint: the optimizer state's {path or 'root'} is a "
+        f"{type(leaf).__qualname__}, which is neither a tensor nor a pytree node, so it "
+        f"cannot be saved. Register its type as a pytree (a dataclass: "
+        f"torch.utils._pytree.register_dataclass; or optree.register_pytree_node), or "
+        f"make it a NamedTuple or a dict."
+    )
 
 
 def _to_dcp(state: ShardedState, opt_state: Any, zeros: bool = False) -> dict[str, Any]:
@@ -386,7 +443,7 @@ def _from_dcp(state: ShardedState, opt_state: Any, loaded: dict[str, Any]) -> tu
         else (loaded[key] if isinstance(leaf, Tensor) else leaf)
         for leaf, key, index in described
     ]
-    return new_state, optree.tree_unflatten(spec, leaves)
+    return new_state, _rebuild_optim(spec, leaves)
 
 
 def _check_keys(directory: str, template: dict[str, Any]) -> None:
