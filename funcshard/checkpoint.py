@@ -363,7 +363,7 @@ def _optim_leaves(opt_state: Any, layout: Layout) -> tuple[list[Any], Any]:
                     _refuse(key, sub)
         parts.append(part)
         for key, item, last in items:
-            index = getattr(last, "idx", getattr(last, "entry", None))
+            index = _entry(last)
             aligned = (
                 isinstance(item, Tensor)
                 and isinstance(index, int)
@@ -375,6 +375,14 @@ def _optim_leaves(opt_state: Any, layout: Layout) -> tuple[list[Any], Any]:
             key = key.rsplit("[", 1)[0] if aligned else key
             described.append((item, f"optim/{key}", index if aligned else None))
     return described, (spec, parts)
+
+
+def _entry(key: Any) -> Any:
+    """The index or key a path step names (torch's SequenceKey/MappingKey, optree's entry)."""
+    for field in ("idx", "key", "entry"):
+        if hasattr(key, field):
+            return getattr(key, field)
+    return None
 
 
 def _rebuild_optim(spec: Any, leaves: list[Any]) -> Any:

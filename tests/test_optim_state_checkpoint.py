@@ -110,3 +110,18 @@ def test_a_state_funcshard_cannot_save_raises_on_every_rank_naming_its_path(tmp_
     message = str(caught.value)
     assert "the optimizer state's ['inner'] is a Opaque" in message
     assert "register_dataclass" in message
+
+
+def _int_keyed_described(rank: int) -> list:
+    from funcshard.checkpoint import _optim_leaves
+
+    _, state = _state(1)
+    described, _ = _optim_leaves({i: s for i, s in enumerate(state.shards)}, state.layout)
+    return [(key, index) for _, key, index in described]
+
+
+def test_an_int_keyed_dict_state_lines_up_with_the_flat_buffers_it_belongs_to():
+    """{flat index: shard} states are saved per parameter (so they load at any world size),
+    as they were when optree flattened them."""
+    described = testing.run(_int_keyed_described, world_size=1)[0]
+    assert described == [("optim/", i) for i in range(len(described))] and len(described) == 3
