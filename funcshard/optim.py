@@ -106,15 +106,9 @@ def _recording_only_through_grads(update: Callable[..., Any]) -> Callable[..., A
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         grads = args[0] if args else kwargs.get("grads")
-        if isinstance(grads, ShardedGrads | Mapping):
-            ensure_live(grads, "optim")
-        if isinstance(grads, ShardedGrads):
-            leaves: Any = grads.shards
-        elif isinstance(grads, Mapping):
-            leaves = grads.values()
-        else:
+        if not isinstance(grads, ShardedGrads | Mapping):
             return update(*args, **kwargs)  # not ours to judge: recorded as written
-        if any(isinstance(g, Tensor) and g.requires_grad for g in leaves):
+        if any(isinstance(g, Tensor) and g.requires_grad for g in _grad_leaves(grads)):
             return update(*args, **kwargs)
         with torch.no_grad():
             return update(*args, **kwargs)
@@ -212,7 +206,7 @@ def _steps_in_place(params: Any, leaves: list[Tensor]) -> bool:
 def _donated_params(params: Any, grads: Any, to: str) -> Any:
     """The params after an in-place step: a new record (or dict) over the same (written)
     tensors; the old one and the grads are marked donated."""
-    new = params.replace() if isinstance(params, ShardedState) else dict(params)
+    new = _with_leaves(params, _param_leaves(params))
     donate_record(grads, to)
     donate_record(params, to)
     return new
@@ -229,13 +223,20 @@ def _zeros_like(params: Any) -> tuple[Tensor | None, ...]:
     return tuple(None if f else torch.zeros_like(p) for p, f in zip(leaves, frozen, strict=True))
 
 
+def _with_leaves(container: Any, leaves: list[Tensor | None]) -> Any:
+    """A new container of `container`'s kind (a ShardedState, ShardedGrads or dict) holding
+    `leaves` in its leaves' order (`_param_leaves` / `_grad_leaves`)."""
+    if isinstance(container, ShardedState):
+        return container.replace(shards=tuple(leaves))
+    if isinstance(container, ShardedGrads):
+        return ShardedGrads(shards=tuple(leaves), layout=container.layout)
+    return dict(zip(container.keys(), leaves, strict=True))
+
+
 def _like(grads: Any, leaves: list[Tensor | None], donated: bool = False) -> Any:
     """Put leaves back into the container type of `grads` (marking `grads` as used up when
     its buffers were `donated` to hold the new leaves)."""
-    if isinstance(grads, ShardedGrads):
-        new: Any = ShardedGrads(shards=tuple(leaves), layout=grads.layout)
-    else:
-        new = dict(zip(grads.keys(), leaves, strict=True))
+    new = _with_leaves(grads, leaves)
     if donated:
         donate_record(grads, "an optimizer update(donate=True)")
     return new
@@ -520,10 +521,7 @@ def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:
             p if u is None else (p.add_(u) if donate else _added(p, u))
             for p, u in zip(old, delta, strict=True)
         ]
-    if isinstance(params, ShardedState):
-        result: Any = params.replace(shards=tuple(new))
-    else:
-        result = dict(zip(params.keys(), new, strict=True))
+    result = _with_leaves(params, new)
     if donate:
         donate_record(params, "apply_updates(donate=True)")
     return result
