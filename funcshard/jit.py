@@ -57,15 +57,21 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
     return step
 
 
-def _issued(state: ShardedState | None) -> dict[str, int | None]:
-    """How many collectives this rank has issued on each axis of the state's mesh."""
+def _axes(state: ShardedState | None) -> dict[str, Any]:
+    """The process group of each axis of the state's mesh that communicates (size > 1)."""
     if state is None:
         return {}
-    mesh = state.layout.mesh
-    return {
-        "shard": collectives.issued_count(mesh.shard_group) if mesh.shard > 1 else None,
-        "replicate": collectives.issued_count(mesh.replicate_group) if mesh.replicate > 1 else None,
-    }
+    mesh, axes = state.layout.mesh, {}
+    if mesh.shard > 1:
+        axes["shard"] = mesh.shard_group
+    if mesh.replicate > 1:
+        axes["replicate"] = mesh.replicate_group
+    return axes
+
+
+def _issued(state: ShardedState | None) -> dict[str, int | None]:
+    """How many collectives this rank has issued on each communicating axis of the mesh."""
+    return {axis: collectives.issued_count(group) for axis, group in _axes(state).items()}
 
 
 def _failed_inside(
@@ -97,12 +103,12 @@ def _which(state: ShardedState, before: dict[str, int | None], after: dict[str, 
     backend's sequence numbers: the call's k-th there. A traced `fs.call` gathers every flat
     buffer first, in layout order, so the first ones on the shard axis name their units."""
     lines = []
-    for axis, start in before.items():
-        end = after.get(axis)
+    flats = state.layout.flats
+    for axis, group in _axes(state).items():
+        start, end = before.get(axis), after.get(axis)
         if start is None or end is None or end == start:
             continue
         k = end - start
-        flats = state.layout.flats
         unit = (
             f": the all-gather of unit {flats[k - 1].name!r} if the step's first "
             f"collectives are its first fs.call's gathers"
@@ -111,7 +117,6 @@ def _which(state: ShardedState, before: dict[str, int | None], after: dict[str, 
         )
         lines.append(
             f"\nThe last collective this call issued on the {axis} axis was its #{k} there "
-            f"(ranks {collectives.group_ranks(getattr(state.layout.mesh, axis + '_group'))})"
-            f"{unit}."
+            f"(ranks {collectives.group_ranks(group)}){unit}."
         )
     return "".join(lines)
