@@ -226,13 +226,8 @@ class WorkerPool:
     def _timeout(
         self, name: str, timeout: float, pending: list[int], replies: dict[int, tuple[Any, ...]]
     ) -> TimeoutError:
-        try:
-            last = self._last_collectives(pending)
-            stacks = self._stacks(pending)
-        finally:
-            self.close(kill=True)
+        where = self._where_and_kill(pending)
         finished = [r for r in range(self.world_size) if r not in pending]
-        where = _waiting_in(pending, last, stacks)
         error = TimeoutError(
             f"testing.run({name}, world_size={self.world_size}): ranks {pending} did not finish "
             f"within {timeout:g} s (finished: {finished}). A rank is usually stuck in a "
@@ -248,18 +243,14 @@ class WorkerPool:
         finish after it: they are usually waiting in a collective that the raising rank never
         entered, which only the timeout would end. The note says where each was waiting; the
         pool is killed (their process group is stuck)."""
-        try:
-            last = self._last_collectives(pending)
-            stacks = self._stacks(pending)
-        finally:
-            self.close(kill=True)
+        where = self._where_and_kill(pending)
         errors = {r: reply for r, reply in replies.items() if reply[0] == "error"}
         error = _rank_exception(errors, name, self.world_size)
         note = (
             f"testing.run({name}, world_size={self.world_size}): ranks {pending} had not "
             f"finished {ERROR_GRACE:g} s after rank {min(errors)} raised; a rank is usually "
             f"waiting in a collective that the raising rank never entered. The pool was "
-            f"killed; the next call starts a fresh one.\n{_waiting_in(pending, last, stacks)}"
+            f"killed; the next call starts a fresh one.\n{where}"
         )
         if hasattr(error, "add_note"):
             error.add_note(note)
@@ -280,6 +271,14 @@ class WorkerPool:
             f"a fresh one.{_raised_before(replies)}"
         )
         return _with_rank_cause(error, replies, name, self.world_size)
+
+    def _where_and_kill(self, pending: list[int]) -> str:
+        """Where each unfinished rank was waiting (its last collective and Python stack), for
+        a report; then the pool is killed (their process group is stuck)."""
+        try:
+            return _waiting_in(pending, self._last_collectives(pending), self._stacks(pending))
+        finally:
+            self.close(kill=True)
 
     def _last_collectives(self, ranks: list[int]) -> dict[int, str]:
         """Ask each rank which collective it issued last (a thread of the rank answers while
