@@ -21,7 +21,9 @@ from funcshard import finite, gather, recompute
 from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
 from funcshard.sharded_call import Prefetch
-from funcshard.state import LocalGrads, ShardedGrads, ShardedState
+from funcshard.state import LocalGrads, ShardedGrads, ShardedState, ensure_live
+from funcshard.transforms import reduce_replicated
+from funcshard.tree import format_names
 
 
 def value_and_grad(
@@ -35,10 +37,11 @@ def value_and_grad(
     """Return a function computing `f(params, *args)` and its gradient w.r.t. `params`.
 
     `params` is a ShardedState (grads come back as ShardedGrads, reduced to this rank's shard
-    of the mean over data-parallel ranks) or a plain dict (plain autograd; frozen parameters
-    get None). `reduce=False` returns LocalGrads instead; `all_reduce=False` skips the HSDP
-    all-reduce across replicas. `prefetch` is True, False or a `funcshard.Prefetch` with
-    explicit unit orders. With `has_aux`, `f` returns `(loss, aux)`.
+    of the mean over data-parallel ranks) or a plain dict (plain autograd of every
+    floating-point tensor in it, as `jax.grad`: pass frozen ones apart; see [Note:
+    value_and_grad of a dict]). `reduce=False` returns LocalGrads instead; `all_reduce=False`
+    skips the HSDP all-reduce across replicas. `prefetch` is True, False or a
+    `funcshard.Prefetch` with explicit unit orders. With `has_aux`, `f` returns `(loss, aux)`.
     `check_finite=True` raises `funcshard.finite.NonFiniteError` on every rank together when
     any rank's loss or gradients hold NaN or inf (one more all-gather of one flag per buffer).
     Communicates (sharded): per unit one all-gather in forward, one more in backward when
@@ -123,9 +126,14 @@ def _sharded_value_and_grad(f, has_aux, state, reduction, prefetch, args, kwargs
         targets = tuple(
             None if flat.frozen else s for s, flat in zip(shards, layout.flats, strict=True)
         )
+    # the replicated (ignored) parameters are differentiated directly, as DDP's are
+    replicated = {
+        f: t.detach().requires_grad_(f not in layout.replicated_frozen)
+        for f, t in state.replicated.items()
+    }
     differentiated = gather.Differentiated(  # (field by field: dynamo cannot trace fields())
         shards=shards,
-        replicated=state.replicated,
+        replicated=replicated,
         buffers=state.buffers,
         layout=layout,
         mp=state.mp,
@@ -138,16 +146,18 @@ def _sharded_value_and_grad(f, has_aux, state, reduction, prefetch, args, kwargs
     with recompute.recording() as ran:
         loss, aux = _split(f(differentiated, *args, **kwargs), has_aux, "value_and_grad")
     wanted = [t for t in targets if t is not None]
+    trainable = [replicated[f] for f in layout.replicated_trainable]
     # reduce=False loses terms on the shards themselves: look for them (eagerly; a traced
     # autograd.grad answers zeros for unused inputs)
     looks = reduction == "none" and not torch.compiler.is_dynamo_compiling()
     direct = [s for s in shards if s.requires_grad] if looks else []
+    inputs = wanted + trainable + direct
     try:
         with recompute.recomputing(ran):
             found = iter(
-                torch.autograd.grad(loss, wanted + direct, allow_unused=True)
-                if wanted and loss.requires_grad
-                else [None] * (len(wanted) + len(direct))
+                torch.autograd.grad(loss, inputs, allow_unused=True)
+                if inputs and loss.requires_grad
+                else [None] * len(inputs)
             )
     except BaseException:
         gather.abandon_reduces()
@@ -156,6 +166,7 @@ def _sharded_value_and_grad(f, has_aux, state, reduction, prefetch, args, kwargs
         None if t is None else _or_zeros(next(found), t, flat, state.mp)
         for t, flat in zip(targets, layout.flats, strict=True)
     ]
+    local_replicated = {f: next(found) for f in layout.replicated_trainable}
     if any(g is not None for g in found):
         raise ValueError(
             "funcshard.value_and_grad(reduce=False): the function uses the state's shards "
@@ -168,13 +179,23 @@ def _sharded_value_and_grad(f, has_aux, state, reduction, prefetch, args, kwargs
             None if g is None else g.to(flat.dtype)
             for g, flat in zip(grads, layout.flats, strict=True)
         )
-        return _value(loss, aux, has_aux), ShardedGrads(shards=reduced, layout=layout)
+        replicated_grads = reduce_replicated(
+            state, local_replicated, all_reduce=reduction == "mean"
+        )
+        return _value(loss, aux, has_aux), ShardedGrads(
+            shards=reduced, layout=layout, replicated=replicated_grads
+        )
     local: dict[str, Tensor | None] = {}
     for g, flat in zip(grads, layout.flats, strict=True):
         if g is None:
             local.update(dict.fromkeys(flat.fqns))
         else:
             local.update(zip(flat.fqns, param_views(g, flat), strict=True))
+    local.update(dict.fromkeys(layout.replicated))
+    local.update(
+        (f, g if g is not None else torch.zeros_like(state.replicated[f]))
+        for f, g in local_replicated.items()
+    )
     return _value(loss, aux, has_aux), LocalGrads(grads=local, layout=layout)
 
 
@@ -193,10 +214,14 @@ def _or_zeros(grad: Tensor | None, target: Tensor, flat: Any, mp: Any) -> Tensor
 
 
 def _dict_value_and_grad(f, has_aux, params, args, kwargs):
-    inputs = {k: v.detach().requires_grad_(v.requires_grad) for k, v in params.items()}
+    trainable = _differentiated_leaves(params)
+    differentiated = set(trainable)
+    inputs = {
+        k: v.detach().requires_grad_(k in differentiated) if isinstance(v, Tensor) else v
+        for k, v in params.items()
+    }
     with recompute.recording() as ran:
         loss, aux = _split(f(inputs, *args, **kwargs), has_aux, "value_and_grad")
-    trainable = [k for k, v in inputs.items() if v.requires_grad]
     with recompute.recomputing(ran):
         found = (
             torch.autograd.grad(loss, [inputs[k] for k in trainable], allow_unused=True)
@@ -209,6 +234,36 @@ def _dict_value_and_grad(f, has_aux, params, args, kwargs):
     return _value(loss, aux, has_aux), grads
 
 
+def _differentiated_leaves(params: Mapping[str, Any]) -> list[str]:
+    """The keys of a params dict that `value_and_grad` differentiates: every floating-point
+    (or complex) tensor, whether or not it requires grad, as `jax.grad` differentiates every
+    leaf of its argument (see [Note: value_and_grad of a dict]).
+
+    [Note: value_and_grad of a dict]
+    Frozen parameters are expressed by not passing them (a second argument, or a closure),
+    not by `requires_grad=False`: `fs.unshard(state)` and hand-built tensors do not require
+    grad, and reading that flag as "frozen" gave them silently absent gradients. A dict that
+    mixes leaves that require grad with leaves that do not (`fs.extract` of a partly frozen
+    model) is ambiguous, and raises naming them rather than training the frozen ones.
+    """
+    ensure_live(params, "value_and_grad")
+    floating = [
+        k
+        for k, v in params.items()
+        if isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex())
+    ]
+    marked = [k for k in floating if not params[k].requires_grad]
+    if marked and len(marked) < len(floating):
+        raise ValueError(
+            f"funcshard.value_and_grad: the params dict mixes tensors that require grad with "
+            f"tensors that do not ({format_names(marked)}). Every floating-point tensor of "
+            f"the first argument is differentiated, as jax.grad does; to keep some frozen, "
+            f"pass them apart, e.g. fs.value_and_grad(lambda trainable, frozen, *batch: "
+            f"loss(trainable | frozen, *batch))(trainable, frozen, *batch)."
+        )
+    return floating
+
+
 def accumulate(a: Any, b: Any) -> Any:
     """Sum two gradients of the same kind (ShardedGrads, LocalGrads or dicts); None is zero."""
     if type(a) is not type(b):
@@ -217,7 +272,12 @@ def accumulate(a: Any, b: Any) -> Any:
             f"{type(a).__name__} and {type(b).__name__}."
         )
     if isinstance(a, ShardedGrads):
-        return ShardedGrads(shards=tuple(map(_add, a.shards, b.shards)), layout=a.layout)
+        replicated = {
+            f: _add(a.replicated.get(f), b.replicated.get(f)) for f in a.layout.replicated
+        }
+        return ShardedGrads(
+            shards=tuple(map(_add, a.shards, b.shards)), layout=a.layout, replicated=replicated
+        )
     if isinstance(a, LocalGrads):
         return LocalGrads(grads={k: _add(a.grads[k], b.grads[k]) for k in a.grads}, layout=a.layout)
     if isinstance(a, Mapping):

@@ -372,9 +372,22 @@ def _optim_leaves(opt_state: Any, layout: Layout) -> tuple[list[Any], Any]:
                 and item.numel() == layout.flats[index].shard_numel
             )
             key = key.lstrip(".")
-            key = key.rsplit("[", 1)[0] if aligned else key
+            replicated = _replicated_at(item, index, layout)
+            if aligned:
+                key = key.rsplit("[", 1)[0]
+            elif replicated is not None:  # a replicated parameter's moment: keyed by its FQN
+                key = f"{key.rsplit('[', 1)[0]}/{replicated}"
             described.append((item, f"optim/{key}", index if aligned else None))
     return described, (spec, parts)
+
+
+def _replicated_at(item: Any, index: Any, layout: Layout) -> str | None:
+    """The replicated parameter an optimizer leaf at `index` of a per-leaf sequence belongs
+    to (they follow the flat buffers, as in `ShardedState.leaves()`), or None."""
+    if not isinstance(item, Tensor) or not isinstance(index, int):
+        return None
+    at = index - len(layout.flats)
+    return layout.replicated[at] if 0 <= at < len(layout.replicated) else None
 
 
 def _entry(key: Any) -> Any:

@@ -56,7 +56,9 @@ def check(loss: Tensor, grads: Any) -> None:
     """
     flags = local_flags([loss.detach(), *_leaves(grads)])
     if isinstance(grads, ShardedGrads):
-        names = [f"unit {f.unit!r}" for f in grads.layout.flats]
+        names = [f"unit {f.unit!r}" for f in grads.layout.flats] + [
+            repr(f) for f in grads.layout.replicated
+        ]
     else:
         names = list(grads.grads if isinstance(grads, LocalGrads) else grads)
     if isinstance(grads, ShardedGrads | LocalGrads):
@@ -85,7 +87,7 @@ def check(loss: Tensor, grads: Any) -> None:
 
 def _leaves(grads: Any) -> list[Tensor | None]:
     if isinstance(grads, ShardedGrads):
-        return list(grads.shards)
+        return grads.leaves()
     if isinstance(grads, LocalGrads):
         return list(grads.grads.values())
     return list(grads.values())

@@ -78,6 +78,13 @@ class Layout:
     mesh: Mesh
     state_dict_keys: tuple[str, ...] = ()  # the model's state_dict() keys, in its order
     aliases: tuple[tuple[str, str], ...] = ()  # (second name, first FQN) of tied parameters
+    replicated_frozen: tuple[str, ...] = ()  # replicated parameters that get no gradient
+    reduce_replicated: bool = True  # the others' gradients are all-reduced (the plan's)
+
+    @property
+    def replicated_trainable(self) -> tuple[str, ...]:
+        """The replicated parameters that get gradients, in `replicated` order."""
+        return tuple(f for f in self.replicated if f not in self.replicated_frozen)
 
     @property
     def fqns(self) -> tuple[str, ...]:
@@ -149,4 +156,10 @@ def layout_of(plan: Plan, mesh: Mesh) -> Layout:
                     frozen_fqns=tuple(f for f, _ in members if f in unit.frozen_fqns),
                 )
             )
-    return Layout(flats=tuple(flats), replicated=plan.ignored, mesh=mesh)
+    return Layout(
+        flats=tuple(flats),
+        replicated=plan.ignored,
+        mesh=mesh,
+        replicated_frozen=plan.ignored_frozen,
+        reduce_replicated=plan.reduce_ignored,
+    )

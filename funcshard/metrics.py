@@ -8,7 +8,7 @@ collective (the leaves are packed into one float64 buffer and unpacked in their 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import optree
@@ -37,20 +37,25 @@ def global_norm(grads: ShardedGrads | Mapping[str, Tensor | None]) -> Tensor:
     norm. Of ShardedGrads: every parameter of every rank's shard counted once, the same on
     every rank (one all-reduce of one number over the shard axis; replicas hold the same
     shards). Of a dict of gradients: this process's, no communication."""
-    if isinstance(grads, ShardedGrads):
-        ensure_live(grads, "global_norm")
-        present = [g for g in grads.shards if g is not None]
-    else:
-        present = [g for g in grads.values() if g is not None]
+    if not isinstance(grads, ShardedGrads):
+        return _sum_of_squares(grads.values(), None).sqrt()
+    ensure_live(grads, "global_norm")
+    device = grads.layout.mesh.device
+    squares = collectives.all_reduce(
+        _sum_of_squares(grads.shards, device),
+        grads.layout.mesh.shard_group,
+        "sum",
+        what="<global grad norm>",
+    ).wait()
+    # replicated (ignored) parameters' gradients are whole on every rank: counted once
+    return (squares + _sum_of_squares(grads.replicated.values(), device)).sqrt()
+
+
+def _sum_of_squares(grads: Iterable[Tensor | None], device: torch.device | None) -> Tensor:
+    present = [g for g in grads if g is not None]
     if not present:
-        device = grads.layout.mesh.device if isinstance(grads, ShardedGrads) else None
         return torch.zeros((), device=device)
-    squares = torch.stack([g.float().square().sum() for g in present]).sum()
-    if isinstance(grads, ShardedGrads):
-        squares = collectives.all_reduce(
-            squares, grads.layout.mesh.shard_group, "sum", what="<global grad norm>"
-        ).wait()
-    return squares.sqrt()
+    return torch.stack([g.float().square().sum() for g in present]).sum()
 
 
 def _reduced(tree: Any, mesh: Mesh, mean: bool) -> Any:

@@ -172,7 +172,7 @@ register_record(EmptyState, data_fields=(), meta_fields=())
 def _param_leaves(params: Any) -> list[Tensor]:
     if isinstance(params, ShardedState):
         ensure_live(params, "optim")
-        return list(params.shards)
+        return params.leaves()
     if isinstance(params, Mapping):
         ensure_live(params, "optim")
         return list(params.values())
@@ -185,7 +185,7 @@ def _param_leaves(params: Any) -> list[Tensor]:
 def _grad_leaves(grads: Any) -> list[Tensor | None]:
     if isinstance(grads, ShardedGrads):
         ensure_live(grads, "optim")
-        return list(grads.shards)
+        return grads.leaves()
     if isinstance(grads, Mapping):
         ensure_live(grads, "optim")
         return list(grads.values())
@@ -215,21 +215,31 @@ def _donated_params(params: Any, grads: Any, to: str) -> Any:
 def _zeros_like(params: Any) -> tuple[Tensor | None, ...]:
     """A zero buffer per parameter leaf, None for a frozen unit's (it never gets a gradient)."""
     leaves = _param_leaves(params)
-    frozen = (
-        [f.frozen for f in params.layout.flats]
-        if isinstance(params, ShardedState)
-        else [False] * len(leaves)
-    )
+    frozen = _frozen_leaves(params) if isinstance(params, ShardedState) else [False] * len(leaves)
     return tuple(None if f else torch.zeros_like(p) for p, f in zip(leaves, frozen, strict=True))
+
+
+def _frozen_leaves(state: ShardedState) -> list[bool]:
+    """Per leaf of `state.leaves()`: whether it never gets a gradient."""
+    layout = state.layout
+    return [f.frozen for f in layout.flats] + [
+        f in layout.replicated_frozen for f in layout.replicated
+    ]
 
 
 def _with_leaves(container: Any, leaves: list[Tensor | None]) -> Any:
     """A new container of `container`'s kind (a ShardedState, ShardedGrads or dict) holding
     `leaves` in its leaves' order (`_param_leaves` / `_grad_leaves`)."""
-    if isinstance(container, ShardedState):
-        return container.replace(shards=tuple(leaves))
-    if isinstance(container, ShardedGrads):
-        return ShardedGrads(shards=tuple(leaves), layout=container.layout)
+    if isinstance(container, ShardedState | ShardedGrads):
+        layout = container.layout
+        n = len(layout.flats)
+        shards, replicated = (
+            tuple(leaves[:n]),
+            dict(zip(layout.replicated, leaves[n:], strict=True)),
+        )
+        if isinstance(container, ShardedState):
+            return container.replace(shards=shards, replicated=replicated)
+        return ShardedGrads(shards=shards, layout=layout, replicated=replicated)
     return dict(zip(container.keys(), leaves, strict=True))
 
 
@@ -543,7 +553,7 @@ def _without_frozen_members(state: ShardedState, delta: list[Tensor | None]) -> 
     their gradients are zero, but weight decay would still move them."""
     rank = state.layout.mesh.shard_rank
     out = list(delta)
-    for i, (flat, u) in enumerate(zip(state.layout.flats, delta, strict=True)):
+    for i, (flat, u) in enumerate(zip(state.layout.flats, delta, strict=False)):
         if u is None or not flat.frozen_fqns:
             continue
         start = rank * flat.shard_numel

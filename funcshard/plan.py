@@ -16,6 +16,7 @@ order, the key `funcshard.extract` gives it. The model is only read.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import warnings
@@ -63,6 +64,8 @@ class Plan:
 
     units: tuple[Unit, ...]
     ignored: tuple[str, ...]
+    ignored_frozen: tuple[str, ...] = ()  # ignored ones that get no gradient (see `plan`)
+    reduce_ignored: bool = True  # all-reduce the ignored ones' gradients (see `plan`)
 
     @property
     def fqns(self) -> tuple[str, ...]:
@@ -84,7 +87,7 @@ class Plan:
                 )
                 for u in self.units
             ]
-            + [self.ignored]
+            + [self.ignored, self.ignored_frozen, self.reduce_ignored]
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -107,7 +110,8 @@ class Plan:
         headers = ["unit", "params", "numel", f"bytes/rank (world {world_size})", "dtypes", "flags"]
         table = tabulate(rows, headers=headers, colalign=("left", "right", "right", "right"))
         if self.ignored:
-            table += f"\nignored (replicated, not reduced): {format_names(self.ignored)}"
+            reduced = "all-reduced" if self.reduce_ignored else "not reduced"
+            table += f"\nignored (replicated, {reduced}): {format_names(self.ignored)}"
         return table
 
     def __str__(self) -> str:
@@ -120,11 +124,16 @@ def plan(
     ignored: Iterable[nn.Module | nn.Parameter | str] = (),
     keep_fp32: Iterable[type[nn.Module]] = (),
     frozen: str = "error",
+    reduce_ignored: bool = True,
 ) -> Plan:
     """Choose the units of `model` (see [Note: choosing units]); the model is not modified.
 
     `policy=None` makes one unit, the root. `ignored` modules or parameters (objects or FQNs)
-    stay out of every unit. Each module of a `keep_fp32` class becomes its own unit with mixed
+    stay out of every unit: every rank holds them whole, and they train as under DDP, their
+    gradients all-reduced (mean) over every data-parallel rank; `reduce_ignored=False` leaves
+    each rank its own gradient (FSDP2's `ignored_params`), so replicas may drift apart.
+    Ignored parameters that do not require grad, or are not floating point, get none. Each
+    module of a `keep_fp32` class becomes its own unit with mixed
     precision off. `frozen="error"` rejects a unit that mixes frozen and trainable parameters;
     `"warn"` allows it with a warning.
     """
@@ -134,7 +143,7 @@ def plan(
                 "funcshard.plan: keep_fp32 applies to module units; bucket plans hold "
                 "parameters, not modules. Drop keep_fp32 or use a module policy."
             )
-        return _bucket_plan(model, policy, ignored)
+        return _with_ignored(model, _bucket_plan(model, policy, ignored), reduce_ignored)
     if policy is not None and not callable(policy):
         raise TypeError(
             f"funcshard.plan: policy must be callable (module, fqn, unowned_numel) -> bool or "
@@ -179,7 +188,20 @@ def plan(
             stacklevel=2,
         )
     ignored_fqns = tuple(first_fqn[pid] for pid in order if pid in ignored_params)
-    return Plan(units=tuple(units), ignored=ignored_fqns)
+    return _with_ignored(model, Plan(units=tuple(units), ignored=ignored_fqns), reduce_ignored)
+
+
+def _with_ignored(model: nn.Module, plan: Plan, reduce_ignored: bool) -> Plan:
+    """`plan` with its ignored parameters' training settings: which get no gradient
+    (requires_grad=False, or not floating point) and whether the others are reduced."""
+    params = dict(model.named_parameters())
+    frozen = tuple(
+        f
+        for f in plan.ignored
+        if not params[f].requires_grad
+        or not (params[f].is_floating_point() or params[f].is_complex())
+    )
+    return dataclasses.replace(plan, ignored_frozen=frozen, reduce_ignored=bool(reduce_ignored))
 
 
 def _bucket_plan(

@@ -33,11 +33,13 @@ def replicate(
     comm_dtype: torch.dtype | None = None,
     ignored: Iterable[nn.Module | nn.Parameter | str] = (),
     seed: int = 0,
+    reduce_ignored: bool = True,
 ) -> ShardedState:
     """Full parameters on every rank, gradients all-reduced in buckets (DDP).
 
     The result is a ShardedState usable wherever one is: `call`, `value_and_grad`, `optim`,
     `unshard` (which returns the parameters). Buffers are broadcast from the first rank.
+    `ignored` parameters stay out of the buckets; `reduce_ignored`: see `funcshard.plan`.
     Communicates: what `shard` does (a fingerprint check and the buffers).
     """
     if mesh.shard_size != 1:
@@ -46,6 +48,11 @@ def replicate(
             f"parameter), got {mesh}. Use funcshard.shard for a sharded mesh, or "
             f"Mesh(replicate={mesh.size})."
         )
-    bucket_plan = plan(model, policy=buckets(bucket_mb, first_bucket_mb), ignored=ignored)
+    bucket_plan = plan(
+        model,
+        policy=buckets(bucket_mb, first_bucket_mb),
+        ignored=ignored,
+        reduce_ignored=reduce_ignored,
+    )
     mp = MixedPrecision(reduce_dtype=comm_dtype) if comm_dtype is not None else None
     return shard(model, bucket_plan, mesh, mp=mp, reshard_after_forward=False, seed=seed)

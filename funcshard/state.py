@@ -9,7 +9,7 @@ torch.compile see every tensor as an input.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from tabulate import tabulate
@@ -40,6 +40,11 @@ class ShardedState:
     reshard_after_forward: bool | int = True
     offload: bool = False
     _donated_to: ClassVar[str | None] = None  # set on a donated record (see `donate`)
+
+    def leaves(self) -> list[Tensor]:
+        """The trainable view's leaves: the shards, then the replicated parameters in
+        `layout.replicated` order (what optimizers update; buffers are not among them)."""
+        return [*self.shards, *(self.replicated[f] for f in self.layout.replicated)]
 
     def replace(self, **changes: object) -> ShardedState:
         """A copy with some fields changed (the record itself never changes)."""
@@ -82,20 +87,30 @@ class ShardedState:
 
 @dataclass(frozen=True, eq=False)
 class ShardedGrads:
-    """Gradients shaped like a state's shards: `shards[i]` matches `layout.flats[i]`.
+    """Gradients shaped like a state's parameters: `shards[i]` matches `layout.flats[i]`,
+    `replicated[fqn]` the state's replicated (ignored) parameter `fqn`, whole.
 
-    Frozen units have `None` (they are never reduced); padding is always zero.
+    Frozen units and frozen replicated parameters have `None`; padding is always zero.
+    A ShardedGrads built without `replicated` has None for every replicated parameter.
     """
 
     shards: tuple[Tensor | None, ...]
     layout: Layout
+    replicated: dict[str, Tensor | None] = field(default_factory=dict)
     _donated_to: ClassVar[str | None] = None
+
+    def leaves(self) -> list[Tensor | None]:
+        """The shards, then the replicated gradients in `layout.replicated` order: in step
+        with `ShardedState.leaves()`."""
+        return [*self.shards, *(self.replicated.get(f) for f in self.layout.replicated)]
 
     def __repr__(self) -> str:
         if self._donated_to is not None:
             return f"ShardedGrads(donated to {self._donated_to})"
         kept = sum(s is not None for s in self.shards)
-        return f"ShardedGrads({kept} of {len(self.shards)} flat buffers)"
+        replicated = sum(g is not None for g in self.replicated.values())
+        more = f", {replicated} replicated" if self.layout.replicated else ""
+        return f"ShardedGrads({kept} of {len(self.shards)} flat buffers{more})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,7 +130,7 @@ register_record(
     data_fields=("shards", "replicated", "buffers"),
     meta_fields=("layout", "mp", "reshard_after_forward", "offload"),
 )
-register_record(ShardedGrads, data_fields=("shards",), meta_fields=("layout",))
+register_record(ShardedGrads, data_fields=("shards", "replicated"), meta_fields=("layout",))
 donatable(ShardedState, ("shards", "replicated", "buffers"))
-donatable(ShardedGrads, ("shards",))
+donatable(ShardedGrads, ("shards", "replicated"))
 register_record(LocalGrads, data_fields=("grads",), meta_fields=("layout",))

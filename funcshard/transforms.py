@@ -168,13 +168,15 @@ def reduce(
     """Reduce every rank's full gradients into this rank's shard of their mean.
 
     Gradients are reduced in the mixed-precision reduce dtype and returned in each parameter's
-    dtype. A missing or None gradient counts as zero; frozen units and replicated (ignored)
-    parameters are not reduced. `divide_factor` replaces the mean's divisor (sum, then
-    divide). On an HSDP mesh `all_reduce=False` skips the all-reduce across replicas, for
-    accumulating first.
+    dtype. A missing or None gradient counts as zero; frozen units are not reduced.
+    Replicated (ignored) parameters come back whole, all-reduced over every rank (or this
+    rank's own, with `plan(..., reduce_ignored=False)`). `divide_factor` replaces the mean's
+    divisor (sum, then divide). On an HSDP mesh `all_reduce=False` skips the all-reduce
+    across replicas, for accumulating first.
 
     Communicates: one reduce-scatter over the shard axis per trainable flat buffer, then one
-    all-reduce over the replicate axis. Law: equals the ranks' mean full gradient, sliced.
+    all-reduce over the replicate axis; one all-reduce per dtype of the replicated
+    parameters. Law: equals the ranks' mean full gradient, sliced.
     """
     layout = state.layout
     if isinstance(full_grads, LocalGrads):
@@ -206,7 +208,42 @@ def reduce(
         if divide_factor is not None:
             grad = grad / divide_factor
         shards.append(grad.to(flat.dtype))
-    return ShardedGrads(shards=tuple(shards), layout=layout)
+    replicated = reduce_replicated(state, full_grads, op, all_reduce, divide_factor)
+    return ShardedGrads(shards=tuple(shards), layout=layout, replicated=replicated)
+
+
+def reduce_replicated(
+    state: ShardedState,
+    grads: Mapping[str, Tensor | None],
+    op: str = "avg",
+    all_reduce: bool = True,
+    divide_factor: float | None = None,
+) -> dict[str, Tensor | None]:
+    """The replicated parameters' gradients, reduced as DDP does: by `op` over every rank of
+    the mesh (over the shard axis only without `all_reduce`), one all-reduce per dtype, or
+    left as this rank's own when the plan said `reduce_ignored=False`. A missing gradient of
+    a trainable one is zero; frozen ones get None."""
+    layout = state.layout
+    out: dict[str, Tensor | None] = dict.fromkeys(layout.replicated)
+    local = {f: grads.get(f) for f in layout.replicated_trainable}
+    local = {
+        f: torch.zeros_like(state.replicated[f]) if g is None else g for f, g in local.items()
+    }
+    if not local or not layout.reduce_replicated:
+        return {**out, **local}
+    mesh = layout.mesh
+    group = mesh.group if all_reduce else mesh.shard_group
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for f, g in local.items():
+        by_dtype.setdefault(g.dtype, []).append(f)
+    for fqns in by_dtype.values():
+        packed = torch.cat([local[f].detach().reshape(-1).to(mesh.device) for f in fqns])
+        total = collectives.all_reduce(packed, group, op, what="<replicated parameters>").wait()
+        if divide_factor is not None:
+            total = total / divide_factor
+        pieces = total.split([local[f].numel() for f in fqns])
+        out.update({f: p.view_as(local[f]) for f, p in zip(fqns, pieces, strict=True)})
+    return out
 
 
 def full_state_dict(state: ShardedState) -> dict[str, Tensor] | None:

@@ -124,7 +124,8 @@ def test_ignored_modules_params_and_fqns_stay_out_of_every_unit():
         "ln_f.bias",
     )
     assert not set(plan.fqns) & set(plan.ignored)
-    assert "ignored (replicated, not reduced)" in str(plan)
+    assert "ignored (replicated, all-reduced)" in str(plan)
+    assert "not reduced" in str(fs.plan(model, ignored=[model.wpe], reduce_ignored=False))
 
 
 @pytest.mark.parametrize(

@@ -127,12 +127,13 @@ def _unused_and_frozen(rank: int) -> tuple:
     )
 
 
-def test_unused_params_get_zero_grads_and_frozen_or_ignored_params_are_not_reduced():
+def test_unused_params_get_zero_grads_frozen_ones_are_not_reduced_ignored_ones_are():
     units, frozen_none, unused_zero, reduced, replicated, table = testing.run(
         _unused_and_frozen, world_size=2, timeout=30
     )[0]
     assert units == ["<bucket 0>", "<frozen>"] and frozen_none and unused_zero
-    assert reduced == 2 * (4 * 4 + 4)  # used + unused linear; frozen and ignored never travel
+    # used + unused linear in the bucket, then the ignored one on its own; frozen never travel
+    assert reduced == 2 * (4 * 4 + 4) + (4 * 4 + 4)
     assert replicated == ("kept.weight", "kept.bias")
     assert "<bucket 0>" in table and "first params" in table
 
