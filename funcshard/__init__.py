@@ -14,6 +14,7 @@ from funcshard.integrity import CheckpointCorrupted as CheckpointCorrupted
 from funcshard.jit import compile as compile
 from funcshard.layout import FlatLayout as FlatLayout
 from funcshard.layout import Layout as Layout
+from funcshard.leaves import tree_map as tree_map
 from funcshard.mesh import Mesh as Mesh
 from funcshard.mesh import shutdown as shutdown
 from funcshard.metrics import global_norm as global_norm
@@ -93,6 +94,7 @@ __all__ = [
     "split",
     "testing",
     "trace",
+    "tree_map",
     "unshard",
     "unshard_async",
     "value_and_grad",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,12 +36,17 @@ from torch import Tensor
 
 from funcshard import finite
 from funcshard.layout import frozen_ranges
+from funcshard.leaves import with_leaves
 from funcshard.metrics import global_norm
+from funcshard.segments import Piece as Piece
+from funcshard.segments import Segments as Segments
+from funcshard.segments import Where, segments
 from funcshard.state import ShardedGrads, ShardedState, donatable, ensure_live
 from funcshard.state import donate as donate_record
-from funcshard.tree import register_record
+from funcshard.tree import format_names, register_record
 
 LearningRate = float | Callable[[int], float]
+Labels = Callable[[str, Tensor], str] | Mapping[str, str]
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -59,7 +65,8 @@ class Optimizer:
     fused_step: Callable[..., tuple[Any, Any] | None] | None = None  # None: not applicable
 
     def __post_init__(self) -> None:
-        update = _recording_only_through_grads(_donating_its_state(self.update))
+        update = _accepting_donate(self.update)
+        update = _recording_only_through_grads(_donating_its_state(update))
         object.__setattr__(self, "update", update)
 
     def step(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
@@ -71,6 +78,22 @@ class Optimizer:
                 return done
         updates, new_state = self.update(grads, state, params, donate=True)
         return apply_updates(params, updates, donate=True), new_state
+
+
+def _accepting_donate(update: Callable[..., Any]) -> Callable[..., Any]:
+    """A user's `update(grads, state, params)` that takes no `donate` as one that does (and
+    ignores it: donation only permits reusing memory, it never changes the numbers)."""
+    try:
+        parameters = inspect.signature(update).parameters
+    except (TypeError, ValueError):
+        return update
+    if "donate" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return update
+
+    def wrapped(grads: Any, state: Any, params: Any, donate: bool = False) -> Any:
+        return update(grads, state, params)
+
+    return functools.wraps(update)(wrapped)
 
 
 def _donating_its_state(update: Callable[..., Any]) -> Callable[..., Any]:
@@ -206,7 +229,7 @@ def _steps_in_place(params: Any, leaves: list[Tensor]) -> bool:
 def _donated_params(params: Any, grads: Any, to: str) -> Any:
     """The params after an in-place step: a new record (or dict) over the same (written)
     tensors; the old one and the grads are marked donated."""
-    new = _with_leaves(params, _param_leaves(params))
+    new = with_leaves(params, _param_leaves(params))
     donate_record(grads, to)
     donate_record(params, to)
     return new
@@ -227,26 +250,10 @@ def _frozen_leaves(state: ShardedState) -> list[bool]:
     ]
 
 
-def _with_leaves(container: Any, leaves: list[Tensor | None]) -> Any:
-    """A new container of `container`'s kind (a ShardedState, ShardedGrads or dict) holding
-    `leaves` in its leaves' order (`_param_leaves` / `_grad_leaves`)."""
-    if isinstance(container, ShardedState | ShardedGrads):
-        layout = container.layout
-        n = len(layout.flats)
-        shards, replicated = (
-            tuple(leaves[:n]),
-            dict(zip(layout.replicated, leaves[n:], strict=True)),
-        )
-        if isinstance(container, ShardedState):
-            return container.replace(shards=shards, replicated=replicated)
-        return ShardedGrads(shards=shards, layout=layout, replicated=replicated)
-    return dict(zip(container.keys(), leaves, strict=True))
-
-
 def _like(grads: Any, leaves: list[Tensor | None], donated: bool = False) -> Any:
     """Put leaves back into the container type of `grads` (marking `grads` as used up when
     its buffers were `donated` to hold the new leaves)."""
-    new = _with_leaves(grads, leaves)
+    new = with_leaves(grads, leaves)
     if donated:
         donate_record(grads, "an optimizer update(donate=True)")
     return new
@@ -316,9 +323,11 @@ def adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    weight_decay_mask: Where | None = None,
 ) -> Optimizer:
-    """Adam with L2 weight decay added to the gradient, as `torch.optim.Adam`."""
-    return _adam_family("adam", lr, betas, eps, weight_decay, decoupled=False)
+    """Adam with L2 weight decay added to the gradient, as `torch.optim.Adam`.
+    `weight_decay_mask`: see `adamw`."""
+    return _adam_family("adam", lr, betas, eps, weight_decay, False, weight_decay_mask)
 
 
 def adamw(
@@ -326,9 +335,17 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.01,
+    weight_decay_mask: Where | None = None,
 ) -> Optimizer:
-    """Adam with decoupled weight decay, as `torch.optim.AdamW`."""
-    return _adam_family("adamw", lr, betas, eps, weight_decay, decoupled=True)
+    """Adam with decoupled weight decay, as `torch.optim.AdamW`.
+
+    `weight_decay_mask` decays only the parameters it holds for: a predicate `(fqn, param)
+    -> bool` (`param` a meta tensor of the full shape) or a dict FQN -> bool, e.g.
+    `lambda fqn, p: p.ndim >= 2` for no decay on biases and norm weights, which equals
+    torch.optim.AdamW with two param groups. On flat shards the per-element mask is built
+    from the layout once (see [Note: per-parameter views of a shard]).
+    """
+    return _adam_family("adamw", lr, betas, eps, weight_decay, True, weight_decay_mask)
 
 
 def _adam_family(
@@ -338,6 +355,7 @@ def _adam_family(
     eps: float,
     weight_decay: float,
     decoupled: bool,
+    weight_decay_mask: Where | None = None,
 ) -> Optimizer:
     _check_rates(name, lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
     beta1, beta2 = betas
@@ -348,8 +366,33 @@ def _adam_family(
             step=torch.zeros(()), exp_avg=_zeros_like(params), exp_avg_sq=_zeros_like(params)
         )
 
-    def fused_step_of(target: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor) -> None:
+    def decays(params: Any) -> list[bool | Tensor]:
+        """Per leaf: decay it all (True), none of it (False), or where a bool tensor holds."""
+        if weight_decay_mask is None or not weight_decay:
+            return [True] * len(_param_leaves(params))
+        return segments(params).mask(weight_decay_mask)
+
+    def masked_decay(target: Tensor, g: Tensor, where: Tensor, rate: float, donate: bool):
+        """Apply a partial decay by hand (the kernel then runs with none): decoupled, scale
+        the parameter first, as torch.optim.AdamW does; else add it to the gradient."""
+        if decoupled:
+            target.mul_(torch.where(where, 1 - rate * weight_decay, 1.0).to(target.dtype))
+            return g
+        term = target * where * weight_decay
+        return g.add_(term) if donate else g + term
+
+    def fused_step_of(
+        target: Tensor,
+        g: Tensor,
+        m: Tensor,
+        v: Tensor,
+        step: Tensor,
+        decay: bool | Tensor = True,
+        donate: bool = False,
+    ) -> None:
         """torch's fused Adam(W) kernel: writes `target`, `m` and `v` in place."""
+        if isinstance(decay, Tensor):
+            g = masked_decay(target, g, decay, _lr_at(lr, step), donate)
         fused(
             [target],
             [g],
@@ -360,7 +403,7 @@ def _adam_family(
             lr=_lr_at(lr, step),
             beta1=beta1,
             beta2=beta2,
-            weight_decay=weight_decay,
+            weight_decay=weight_decay if decay is True else 0.0,
             eps=eps,
             amsgrad=False,
             maximize=False,
@@ -379,14 +422,17 @@ def _adam_family(
         bias_correction2_sqrt = (1 - beta2**n) ** 0.5
         updates = [None] * len(state.exp_avg)
         m_all, v_all = list(state.exp_avg), list(state.exp_avg_sq)
+        decay_of = decays(params)
         for i, p, g in _live(grads, params):
             m = m_all[i] if donate else m_all[i].clone()
             v = v_all[i] if donate else v_all[i].clone()
+            decay = decay_of[i]
             if p.dtype in _FUSED_DTYPES and not tracing:  # fused kernel, on a copy of the param
                 new = p.detach().clone()
-                fused_step_of(new, g, m, v, step)
+                fused_step_of(new, g, m, v, step, decay, donate)
                 updates[i], m_all[i], v_all[i] = new.sub_(p), m, v
                 continue
+            decayed = p if decay is True else p * decay  # (decay False: p * False is zeros)
             # otherwise torch.optim.adam's single-tensor kernel, writing the update instead;
             # like it, complex tensors are treated as pairs of reals
             if p.is_complex():
@@ -395,13 +441,21 @@ def _adam_family(
             else:
                 m_real, v_real = m, v
             if weight_decay and not decoupled:
-                g = g.add_(p, alpha=weight_decay) if donate else g.add(p, alpha=weight_decay)
+                if p.is_complex():
+                    decayed = torch.view_as_real(decayed)
+                g = (
+                    g.add_(decayed, alpha=weight_decay)
+                    if donate
+                    else g.add(decayed, alpha=weight_decay)
+                )
             m_real.lerp_(g, 1 - beta1)
             v_real.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             denom = v_real.sqrt().div_(bias_correction2_sqrt).add_(eps)
             update = torch.div(m_real, denom, out=g if donate else denom).mul_(-step_size)
             if weight_decay and decoupled:
-                update.add_(p, alpha=-rate * weight_decay)
+                if p.is_complex():
+                    decayed = torch.view_as_real(decayed)
+                update.add_(decayed, alpha=-rate * weight_decay)
             if m.is_complex():
                 update = torch.view_as_complex(update)
             updates[i], m_all[i], v_all[i] = update, m, v
@@ -415,9 +469,10 @@ def _adam_family(
         if not _steps_in_place(params, [p for _, p, _ in live]):
             return None
         step = state.step + 1
+        decay_of = decays(params)
         with torch.no_grad():  # parameters that require grad are written in place too
             for i, p, g in live:
-                fused_step_of(p, g, state.exp_avg[i], state.exp_avg_sq[i], step)
+                fused_step_of(p, g, state.exp_avg[i], state.exp_avg_sq[i], step, decay_of[i], True)
         new_state = AdamState(step=step, exp_avg=state.exp_avg, exp_avg_sq=state.exp_avg_sq)
         return _donated_params(params, grads, "Optimizer.step"), new_state
 
@@ -479,6 +534,124 @@ def chain(*optimizers: Optimizer) -> Optimizer:
     return Optimizer(init, update, fused_step if optimizers else None)
 
 
+def masked(optimizer: Optimizer, where: Where) -> Optimizer:
+    """Apply `optimizer` only where `where` holds (a predicate `(fqn, param) -> bool` or a
+    dict FQN -> bool); elsewhere the incoming updates pass through unchanged, as
+    `optax.masked`. On flat shards the mask is per element, built once from the layout.
+
+    The wrapped optimizer sees every leaf (its state covers the masked-out elements too, as
+    a flat shard cannot leave them out) and never a donation, since the incoming updates
+    must survive it."""
+
+    def update(grads: Any, state: Any, params: Any, donate: bool = False) -> tuple[Any, Any]:
+        where_of = segments(params).mask(where)
+        inner_updates, new_state = optimizer.update(grads, state, params, donate=False)
+        chosen = [
+            _chosen(w, u, g)
+            for w, u, g in zip(
+                where_of, _grad_leaves(inner_updates), _grad_leaves(grads), strict=True
+            )
+        ]
+        return _like(grads, chosen, donate), new_state
+
+    return Optimizer(optimizer.init, update)
+
+
+def _chosen(where: bool | Tensor, then: Tensor | None, otherwise: Tensor | None) -> Any:
+    """`then` where `where` holds, else `otherwise` (a None operand counts as zero)."""
+    if where is True or (otherwise is None and then is None):
+        return then
+    if where is False:
+        return otherwise
+    if then is None:
+        return torch.where(where, 0, otherwise)
+    return torch.where(where, then, 0 if otherwise is None else otherwise)
+
+
+@dataclass(frozen=True, eq=False)
+class PartitionState:
+    """The state of each group's optimizer, by label."""
+
+    states: dict[str, Any]
+
+
+_state_record(PartitionState, ("states",))
+
+
+def partition(optimizers: Mapping[str, Optimizer], labels: Labels) -> Optimizer:
+    """Parameter groups: each parameter's updates come from the optimizer of its label, as
+    `optax.multi_transform` (torch.optim's param groups). `labels` is a function
+    `(fqn, param) -> label` (`param` a meta tensor of the full shape) or a dict FQN -> label.
+
+    Each optimizer sees the gradients of its own group only (others' are zero, or None for
+    a whole leaf outside it), so a global norm or a trust ratio counts its group alone. Its
+    state covers every leaf that holds part of its group: on flat shards, where groups share
+    a buffer, the moments of k groups take k times the memory."""
+    names = list(optimizers)
+
+    def group_masks(params: Any) -> dict[str, list[bool | Tensor]]:
+        seg = segments(params)
+        _check_labels(seg, labels, names)
+        return {name: seg.mask(_in_group(labels, name)) for name in names}
+
+    def init(params: Any) -> PartitionState:
+        return PartitionState(states={name: optimizers[name].init(params) for name in names})
+
+    def update(
+        grads: Any, state: PartitionState, params: Any, donate: bool = False
+    ) -> tuple[Any, PartitionState]:
+        masks = group_masks(params)
+        out: list[Tensor | None] = [None] * len(_grad_leaves(grads))
+        new_states = {}
+        for name in names:
+            mine = [
+                _chosen(w, g, None) for w, g in zip(masks[name], _grad_leaves(grads), strict=True)
+            ]
+            updates, new_states[name] = optimizers[name].update(
+                _like(grads, mine), state.states[name], params
+            )
+            out = [
+                _chosen(w, u, o)
+                for w, u, o in zip(masks[name], _grad_leaves(updates), out, strict=True)
+            ]
+        return _like(grads, out, donate), PartitionState(states=new_states)
+
+    return Optimizer(init, update)
+
+
+_IN_GROUP: dict[tuple[int, str], Any] = {}
+
+
+def _in_group(labels: Labels, name: str) -> Where:
+    """The mask of one group (the same object each time, so its per-element mask is built
+    once: see `Segments.mask`)."""
+    key = (id(labels), name)
+    cached = _IN_GROUP.get(key)
+    if cached is None or cached[0] is not labels:
+        if isinstance(labels, Mapping):
+            where: Where = {f: label == name for f, label in labels.items()}
+        else:
+            where = lambda fqn, p: labels(fqn, p) == name  # noqa: E731
+        cached = _IN_GROUP[key] = (labels, where)
+    return cached[1]
+
+
+def _check_labels(seg: Any, labels: Labels, names: list[str]) -> None:
+    """Every parameter's label names one of the optimizers (else a silent no-update)."""
+    params = [pair for leaf in seg.params for pair in leaf]
+    if isinstance(labels, Mapping):
+        got = {f: labels.get(f) for f, _ in params}
+    else:
+        got = {f: labels(f, p) for f, p in params}
+    stray = [f"{f} -> {label!r}" for f, label in got.items() if label not in names]
+    if stray:
+        raise ValueError(
+            f"funcshard.optim.partition: parameters {format_names(stray)} have labels with "
+            f"no optimizer (the optimizers are {names}). Label every parameter with one of "
+            f"them; use funcshard.optim.sgd(0.0) for a group that must not move."
+        )
+
+
 def skip_nonfinite(optimizer: Optimizer) -> Optimizer:
     """Skip the step on every rank when any rank's gradients hold NaN or inf.
 
@@ -531,7 +704,7 @@ def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:
             p if u is None else (p.add_(u) if donate else _added(p, u))
             for p, u in zip(old, delta, strict=True)
         ]
-    result = _with_leaves(params, new)
+    result = with_leaves(params, new)
     if donate:
         donate_record(params, "apply_updates(donate=True)")
     return result
