@@ -52,8 +52,8 @@ def with_leaves(tree: Any, new: list[Any]) -> Any:
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     """`fn` applied leaf by leaf to `tree` and the lined-up leaves of `rest` (see [Note: the
-    optimizer's leaves]); where `tree`'s leaf is None (a frozen gradient) the result is None
-    and `fn` is not called. Returns a container of `tree`'s kind."""
+    optimizer's leaves]); where any of them is None (a frozen parameter's gradient) the
+    result is None and `fn` is not called. Returns a container of `tree`'s kind."""
     first = leaves(tree)
     others = [leaves(r) for r in rest]
     for other, r in zip(others, rest, strict=True):
@@ -63,5 +63,8 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
                 f"{type(r).__name__} has {len(other)}; pass containers of the same params "
                 f"(a state, its grads, per-leaf optimizer states)."
             )
-    out = [None if x is None else fn(x, *(o[i] for o in others)) for i, x in enumerate(first)]
+    out = []
+    for i, x in enumerate(first):
+        args = (x, *(o[i] for o in others))
+        out.append(None if any(a is None for a in args) else fn(*args))
     return with_leaves(tree, out)

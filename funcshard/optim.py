@@ -36,6 +36,7 @@ from torch import Tensor
 
 from funcshard import finite
 from funcshard.layout import frozen_ranges
+from funcshard.leaves import leaves as leaves
 from funcshard.leaves import with_leaves
 from funcshard.metrics import global_norm
 from funcshard.segments import Piece as Piece
