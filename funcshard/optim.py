@@ -16,9 +16,19 @@ the updates are written into the gradients' buffers, so the caller must not read
 opt_state or the grads again. With donation a step needs no more memory than torch.optim's
 in-place step.
 
-Params are a ShardedState (its flat shards) or a dict of tensors; grads are the matching
-ShardedGrads or dict. Frozen buffers (None gradients) get None updates and no state. Padding
-stays zero: zero gradients and zero parameters give zero moments and zero updates.
+Params are a ShardedState (its flat shards, then its replicated parameters: see [Note: the
+optimizer's leaves]) or a dict of tensors; grads are the matching ShardedGrads or dict.
+Frozen buffers (None gradients) get None updates and no state. Padding stays zero: zero
+gradients and zero parameters give zero moments and zero updates.
+
+The contract for a user's optimizer is the same pair: `init(params)` returns any pytree
+(a dataclass registered with `torch.utils._pytree.register_dataclass`, a NamedTuple, a dict,
+a list of moments: checkpoints save it whole), and `update(grads, state, params)` returns
+`(updates, new_state)` with `updates` of the grads' kind, written leaf by leaf with
+`funcshard.tree_map`. It may take `donate=False` (a promise that it may reuse the memory of
+`grads` and `state`); without it, it is wrapped to ignore donation. Per-parameter math on
+flat shards (trust ratios, masks) goes through `segments` (see [Note: per-parameter views of
+a shard]); `masked` and `partition` are masks and parameter groups as in optax.
 """
 
 from __future__ import annotations
