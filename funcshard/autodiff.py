@@ -23,7 +23,6 @@ from funcshard.precision import reduce_dtype
 from funcshard.sharded_call import Prefetch
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState, ensure_live
 from funcshard.transforms import reduce_replicated
-from funcshard.tree import format_names
 
 
 def value_and_grad(
@@ -37,9 +36,9 @@ def value_and_grad(
     """Return a function computing `f(params, *args)` and its gradient w.r.t. `params`.
 
     `params` is a ShardedState (grads come back as ShardedGrads, reduced to this rank's shard
-    of the mean over data-parallel ranks) or a plain dict (plain autograd of every
-    floating-point tensor in it, as `jax.grad`: pass frozen ones apart; see [Note:
-    value_and_grad of a dict]). `reduce=False` returns LocalGrads instead; `all_reduce=False`
+    of the mean over data-parallel ranks) or a plain dict (plain autograd: of the tensors
+    that require grad, or of every floating-point tensor when none does, as `jax.grad`; see
+    [Note: value_and_grad of a dict]). `reduce=False` returns LocalGrads instead; `all_reduce=False`
     skips the HSDP all-reduce across replicas. `prefetch` is True, False or a
     `funcshard.Prefetch` with explicit unit orders. With `has_aux`, `f` returns `(loss, aux)`.
     `check_finite=True` raises `funcshard.finite.NonFiniteError` on every rank together when
@@ -235,16 +234,17 @@ def _dict_value_and_grad(f, has_aux, params, args, kwargs):
 
 
 def _differentiated_leaves(params: Mapping[str, Any]) -> list[str]:
-    """The keys of a params dict that `value_and_grad` differentiates: every floating-point
-    (or complex) tensor, whether or not it requires grad, as `jax.grad` differentiates every
-    leaf of its argument (see [Note: value_and_grad of a dict]).
+    """The keys of a params dict that `value_and_grad` differentiates (see [Note:
+    value_and_grad of a dict]).
 
     [Note: value_and_grad of a dict]
-    Frozen parameters are expressed by not passing them (a second argument, or a closure),
-    not by `requires_grad=False`: `fs.unshard(state)` and hand-built tensors do not require
-    grad, and reading that flag as "frozen" gave them silently absent gradients. A dict that
-    mixes leaves that require grad with leaves that do not (`fs.extract` of a partly frozen
-    model) is ambiguous, and raises naming them rather than training the frozen ones.
+    A params dict may mark frozen tensors with `requires_grad=False` beside trainable ones
+    that require grad, as `fs.extract` of a partly frozen model does: those, and only those,
+    get None. A dict in which no tensor requires grad (`fs.unshard(state)`, tensors built by
+    hand) has nothing marked, and reading the flags would differentiate nothing: such a dict
+    is differentiated in every floating-point (or complex) tensor, as `jax.grad`
+    differentiates every leaf of its argument. So no gradient is silently absent: a tensor
+    gets None only if it was marked frozen, or is not floating point.
     """
     ensure_live(params, "value_and_grad")
     floating = [
@@ -252,16 +252,8 @@ def _differentiated_leaves(params: Mapping[str, Any]) -> list[str]:
         for k, v in params.items()
         if isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex())
     ]
-    marked = [k for k in floating if not params[k].requires_grad]
-    if marked and len(marked) < len(floating):
-        raise ValueError(
-            f"funcshard.value_and_grad: the params dict mixes tensors that require grad with "
-            f"tensors that do not ({format_names(marked)}). Every floating-point tensor of "
-            f"the first argument is differentiated, as jax.grad does; to keep some frozen, "
-            f"pass them apart, e.g. fs.value_and_grad(lambda trainable, frozen, *batch: "
-            f"loss(trainable | frozen, *batch))(trainable, frozen, *batch)."
-        )
-    return floating
+    marked = [k for k in floating if params[k].requires_grad]
+    return marked or floating
 
 
 def accumulate(a: Any, b: Any) -> Any:

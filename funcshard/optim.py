@@ -449,11 +449,10 @@ def _adam_family(
             if p.is_complex():
                 p, g = torch.view_as_real(p), torch.view_as_real(g)
                 m_real, v_real = torch.view_as_real(m), torch.view_as_real(v)
+                decayed = torch.view_as_real(decayed)
             else:
                 m_real, v_real = m, v
             if weight_decay and not decoupled:
-                if p.is_complex():
-                    decayed = torch.view_as_real(decayed)
                 g = (
                     g.add_(decayed, alpha=weight_decay)
                     if donate
@@ -464,8 +463,6 @@ def _adam_family(
             denom = v_real.sqrt().div_(bias_correction2_sqrt).add_(eps)
             update = torch.div(m_real, denom, out=g if donate else denom).mul_(-step_size)
             if weight_decay and decoupled:
-                if p.is_complex():
-                    decayed = torch.view_as_real(decayed)
                 update.add_(decayed, alpha=-rate * weight_decay)
             if m.is_complex():
                 update = torch.view_as_complex(update)

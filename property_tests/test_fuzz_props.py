@@ -59,10 +59,10 @@ def _sharded_steps(case, mesh_shape, seed, directory, resume: bool, rank: int):
 
 
 def _plain_run(case, seed: int) -> dict[str, torch.Tensor]:
-    """One process, the whole batch, torch.optim.SGD over what funcshard trains."""
+    """One process, the whole batch, torch.optim.SGD over what funcshard trains: every
+    parameter that requires grad, ignored (replicated) ones included."""
     model = _model(case)
-    ignored = set(_plan(case, model).ignored)
-    trained = [p for n, p in model.named_parameters() if p.requires_grad and n not in ignored]
+    trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trained, lr=LR, momentum=MOMENTUM) if trained else None
     for step in range(STEPS_BEFORE + STEPS_AFTER):
         x, target = _batch(case, step, seed)
