@@ -8,6 +8,8 @@ from funcshard.autodiff import accumulate as accumulate
 from funcshard.autodiff import grad as grad
 from funcshard.autodiff import value_and_grad as value_and_grad
 from funcshard.collectives import CollectiveError as CollectiveError
+from funcshard.estimate import Estimate as Estimate
+from funcshard.estimate import estimate as estimate
 from funcshard.failfast import fail_fast as fail_fast
 from funcshard.finite import NonFiniteError as NonFiniteError
 from funcshard.integrity import CheckpointCorrupted as CheckpointCorrupted
@@ -54,6 +56,7 @@ __all__ = [
     "CheckpointCorrupted",
     "CollectiveError",
     "DonatedError",
+    "Estimate",
     "FlatLayout",
     "Layout",
     "LocalGrads",
@@ -71,6 +74,7 @@ __all__ = [
     "call",
     "checkpoint",
     "compile",
+    "estimate",
     "extract",
     "fail_fast",
     "fold_in",

@@ -1,37 +1,74 @@
-"""The `funcshard` command: `funcshard demo` trains a small GPT on local ranks and checks it;
-`funcshard plan MODULE:FACTORY --world-size N` plans a model built on the meta device and
-prints the memory and traffic each rank needs, without allocating it; `funcshard checkpoint
-verify PATH` checks a checkpoint's bytes against its checksums, offline.
+"""The `funcshard` command (also `python -m funcshard`): see what a model's sharding plan
+needs per rank before launching it, check the sharding laws on your own model, try a
+sharded training run, check a checkpoint.
+
+  funcshard plan MODULE:FACTORY --world-size N [--mesh RxS] [--mp bf16] [--tokens BxT]
+  funcshard check MODULE:FACTORY --batch MODULE:FACTORY [--loss MODULE:FN] [--quick]
+  funcshard demo [--nproc 2] [--steps 300] [--mode fsdp|hsdp|replicate]
+  funcshard checkpoint verify PATH
+
+Run `funcshard COMMAND --help` for a command's options.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import functools
 import sys
+from typing import Any
 
 import torch
-from tabulate import tabulate
+import torch.nn.functional as F
 from torch import nn
 
-from funcshard import checkpoint
+import funcshard as fs
+from funcshard import check_command, checkpoint
 from funcshard.demo import add_arguments as add_demo_arguments
 from funcshard.demo import from_arguments as demo_config
 from funcshard.demo import run as run_demo
 from funcshard.estimate import estimate
+from funcshard.loading import load, unit_classes
 from funcshard.plan import plan
 from funcshard.policy import module_classes
+from funcshard.precision import MixedPrecision
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PLAN_EXAMPLES = """\
+examples:
+  funcshard plan funcshard.testing.models:GPT --world-size 8
+  funcshard plan funcshard.testing.models:llama_7b --world-size 1024 --mp bf16
+  funcshard plan mypkg.models:build --world-size 64 --mesh 8x8 --tokens 8x1024
+
+MODULE is imported as `python -m` imports it: from the current directory first, then the
+installed packages. Without --tokens the peak leaves out activations; with it, one
+language-model step runs on the meta device to count them (the batch per rank is B
+sequences of T token ids, the loss the cross-entropy of the output against the next
+tokens). The peak assumes README's training loop with AdamW (see funcshard.estimate).
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `funcshard` and `python -m funcshard`."""
-    parser = argparse.ArgumentParser(prog="funcshard", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    planner = commands.add_parser("plan", help="memory and traffic per rank of a model's plan")
-    planner.add_argument("factory", help="module:function returning the model, e.g. pkg.models:gpt")
-    planner.add_argument("--world-size", type=int, required=True)
+    parser = argparse.ArgumentParser(
+        prog="funcshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    planner = commands.add_parser(
+        "plan",
+        help="peak memory and traffic per rank of a model's plan",
+        description="Plan a model built on the meta device (nothing is allocated) and print\n"
+        "per unit and in total the bytes each rank holds, gathers and sends per step,\n"
+        "and the peak memory per rank of a training step.",
+        epilog=PLAN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    planner.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="a function returning the model, e.g. pkg.models:gpt (called under "
+        "torch.device('meta'))",
+    )
+    planner.add_argument("--world-size", type=int, required=True, help="ranks in all")
     planner.add_argument("--mesh", help="RxS: replicate x shard (HSDP); default 1xWORLD (FSDP)")
     planner.add_argument("--mp", choices=sorted(DTYPES), help="gather and compute in this dtype")
     planner.add_argument(
@@ -39,13 +76,39 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated module class names to make units (default: the "
         "classes inside the model's first ModuleList, e.g. transformer blocks)",
     )
-    demo = commands.add_parser("demo", help="train a small GPT on local ranks and check it")
+    planner.add_argument(
+        "--tokens",
+        metavar="BxT",
+        help="count activations too: one step of B sequences of T token ids per rank",
+    )
+    planner.add_argument(
+        "--donate",
+        action="store_true",
+        help="the step updates in place with opt.step (default: opt.update and "
+        "fs.apply_updates, which copy)",
+    )
+    demo = commands.add_parser(
+        "demo",
+        help="train a small GPT on local ranks and check it",
+        description="Train a character-level GPT on the standard library's source, sharded "
+        "over local gloo ranks; check its first steps against one unsharded process; report "
+        "the loss, tokens/s, peak memory per rank and bytes sent per step.",
+    )
     add_demo_arguments(demo)
     checkpoints = commands.add_parser("checkpoint", help="check a saved checkpoint")
-    actions = checkpoints.add_subparsers(dest="action", required=True)
-    verifier = actions.add_parser("verify", help="check every byte against its checksums")
+    actions = checkpoints.add_subparsers(dest="action", required=True, metavar="ACTION")
+    verifier = actions.add_parser(
+        "verify",
+        help="check every byte against its checksums",
+        description="Check every byte of a checkpoint against the checksums saved with it, "
+        "without torch.distributed. Exit status 0: verified; 1: problems or no checksums; "
+        "2: no checkpoint there.",
+    )
     verifier.add_argument("path", help="a checkpoint directory, or the root LATEST is in")
+    check_command.add_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "check":
+        return check_command.run(args)
     if args.command == "demo":
         return run_demo(demo_config(args))
     if args.command == "checkpoint":
@@ -73,70 +136,71 @@ def _verify_command(path: str) -> int:
 
 def _plan_command(args: argparse.Namespace) -> int:
     replicate, shard = _mesh(args.mesh, args.world_size)
+    factory = load(args.factory, "plan")
     with torch.device("meta"):
-        model = _load(args.factory)()
-    classes = _unit_classes(model, args.units)
-    result = estimate(
-        plan(model, policy=module_classes(classes)), replicate, shard, DTYPES.get(args.mp)
-    )
-    mib = 2**20
-    rows = [
-        [
-            u.name or "<root>",
-            *(
-                f"{v / mib:,.1f}"
-                for v in (u.params, u.grads, u.optimizer, u.gathered, u.sent_per_step)
-            ),
-        ]
-        for u in result.units
-    ]
+        model = factory()
+    classes = unit_classes(model, args.units, "plan")
+    planned = plan(model, policy=module_classes(classes))
+    dtype = DTYPES.get(args.mp)
+    mp = MixedPrecision(param_dtype=dtype) if dtype is not None else None
+    step: dict[str, Any] = {}
+    if args.tokens:
+        batch, length = _sizes(args.tokens, "--tokens")
+        tokens = torch.zeros(batch, length, dtype=torch.long, device="meta")
+        step = {"loss_fn": functools.partial(_lm_loss, model), "args": (tokens,)}
+    result = estimate(planned, (replicate, shard), mp=mp, model=model, donate=args.donate, **step)
     print(
         f"{args.factory}: {sum(p.numel() for p in model.parameters()):,} parameters, "
         f"mesh {replicate}x{shard} (replicate x shard), units: "
         f"{', '.join(c.__name__ for c in classes)}"
+        + (f", batch {args.tokens} tokens per rank" if args.tokens else "")
     )
-    if len(rows) > 12:
-        rows = [*rows[:5], ["...", "", "", "", "", ""], *rows[-5:]]
-    headers = ["unit", "params", "grads", "AdamW", "gathered", "sent/step"]
-    print(tabulate(rows, headers=[h + (" MiB" if i else "") for i, h in enumerate(headers)]))
-    print(
-        f"per rank: {result.persistent / mib:,.1f} MiB held (params + grads + AdamW state), "
-        f"+ {result.gathered_peak / mib:,.1f} MiB gathered at peak (root + two units), "
-        f"{result.sent_per_step / mib:,.1f} MiB sent per step; activations not included"
-    )
+    print(result.table())
     return 0
 
 
+def _lm_loss(model: nn.Module, params: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """A language model's loss: the cross-entropy of each position's output against a
+    token (on the meta device only the shapes matter)."""
+    logits = fs.call(model, params, tokens)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise SystemExit(
+            f"funcshard plan --tokens: expected the model to return (batch, tokens, "
+            f"vocabulary) logits, got {_describe(logits)}. Use funcshard.estimate(..., "
+            f"loss_fn=...) from Python for other models."
+        )
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _sizes(text: str, option: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(
+            f"funcshard plan: {option} expects AxB, e.g. 8x1024, got {text!r}"
+        ) from None
+    if a < 1 or b < 1:
+        raise SystemExit(f"funcshard plan: {option} {text}: both sizes must be positive")
+    return a, b
+
+
 def _mesh(text: str | None, world: int) -> tuple[int, int]:
+    if world < 1:
+        raise SystemExit(f"funcshard plan: --world-size must be positive, got {world}")
     if text is None:
         return 1, world
-    replicate, shard = (int(x) for x in text.lower().split("x"))
+    replicate, shard = _sizes(text, "--mesh")
     if replicate * shard != world:
         raise SystemExit(
             f"funcshard plan: --mesh {text} has {replicate * shard} ranks, not {world}"
         )
     return replicate, shard
-
-
-def _load(factory: str):
-    module_name, _, attr = factory.partition(":")
-    if not attr:
-        raise SystemExit(f"funcshard plan: expected MODULE:FACTORY, got {factory!r}")
-    return getattr(importlib.import_module(module_name), attr)
-
-
-def _unit_classes(model: nn.Module, names: str | None) -> set[type[nn.Module]]:
-    if names:
-        wanted = set(names.split(","))
-        found = {type(m) for m in model.modules() if type(m).__name__ in wanted}
-        if len(found) != len(wanted):
-            missing = wanted - {c.__name__ for c in found}
-            raise SystemExit(f"funcshard plan: no modules of class {sorted(missing)} in the model")
-        return found
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module):
-            return {type(child) for child in module}
-    raise SystemExit("funcshard plan: the model has no ModuleList; pass --units ClassName")
 
 
 if __name__ == "__main__":

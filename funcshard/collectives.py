@@ -464,6 +464,25 @@ def group_rank(group: ProcessGroup) -> int:
     return dist.get_rank(group)
 
 
+@contextlib.contextmanager
+def _quiet_sharded_tensor() -> Iterator[None]:
+    """Silence torch's "we are deprecating ShardedTensor" FutureWarning, which it gives for
+    every ShardedTensor made, saved and loaded (on every rank, for every parameter).
+
+    funcshard keeps ShardedTensor on purpose: a parameter's pieces on a rank are wherever
+    the flat buffers cut it (uneven, possibly several or none per rank), which a DTensor's
+    placements cannot describe, and DCP reshards ShardedTensors across world sizes. Only
+    that message is silenced, only around funcshard's own calls into it.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="Please use DTensor instead", category=FutureWarning
+        )
+        yield
+
+
 def sharded_tensor(pieces: list[tuple[int, Tensor]], numel: int, group: ProcessGroup) -> Any:
     """A 1-D tensor of `numel` elements sharded as (start, values) pieces across the group,
     in the form torch.distributed.checkpoint saves and reshards (a ShardedTensor)."""
@@ -477,24 +496,28 @@ def sharded_tensor(pieces: list[tuple[int, Tensor]], numel: int, group: ProcessG
         )
         for start, values in pieces
     ]
-    return ShardedTensor._init_from_local_shards(shards, [numel], process_group=group)
+    with _quiet_sharded_tensor():
+        return ShardedTensor._init_from_local_shards(shards, [numel], process_group=group)
 
 
 def local_pieces(tensor: Any) -> list[tuple[int, Tensor]]:
     """The (start, values) pieces of a sharded tensor that this rank holds."""
-    return [(s.metadata.shard_offsets[0], s.tensor) for s in tensor.local_shards()]
+    with _quiet_sharded_tensor():
+        return [(s.metadata.shard_offsets[0], s.tensor) for s in tensor.local_shards()]
 
 
 def global_size(tensor: Any) -> tuple[int, ...]:
     """The full shape of a plain or sharded tensor."""
-    return tuple(tensor.size())
+    with _quiet_sharded_tensor():
+        return tuple(tensor.size())
 
 
 def dcp_save(state_dict: dict[str, Any], directory: str) -> None:
     """Save through torch.distributed.checkpoint; every rank writes its own pieces."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state_dict, checkpoint_id=directory)
+    with _quiet_sharded_tensor():
+        dcp.save(state_dict, checkpoint_id=directory)
 
 
 class CheckpointReadError(RuntimeError):
@@ -508,7 +531,8 @@ def dcp_load(state_dict: dict[str, Any], directory: str) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(state_dict, storage_reader=_safe_reader(directory))
+        with _quiet_sharded_tensor():
+            dcp.load(state_dict, storage_reader=_safe_reader(directory))
     except CheckpointException as e:
         raise CheckpointReadError(str(e)) from e
 

@@ -134,8 +134,10 @@ def _split_sizes(flat: FlatLayout) -> tuple[int, ...]:
     return flat.numels + ((padding,) if padding else ())
 
 
-def layout_of(plan: Plan, mesh: Mesh) -> Layout:
-    """Lay out a plan's units as flat buffers sharded over the mesh's shard axis."""
+def layout_of(plan: Plan, mesh: Mesh | None, shard_size: int | None = None) -> Layout:
+    """Lay out a plan's units as flat buffers sharded over the mesh's shard axis (or, with
+    no mesh, over `shard_size` ranks: a layout for arithmetic, as the estimator's)."""
+    shard_size = mesh.shard_size if mesh is not None else shard_size
     flats = []
     for unit in plan.units:
         for dtype in unit.dtypes:
@@ -150,7 +152,7 @@ def layout_of(plan: Plan, mesh: Mesh) -> Layout:
                     dtype=dtype,
                     fqns=tuple(f for f, _ in members),
                     shapes=tuple(s for _, s in members),
-                    shard_size=mesh.shard_size,
+                    shard_size=shard_size,
                     keep_fp32=unit.keep_fp32,
                     frozen=unit.frozen,
                     frozen_fqns=tuple(f for f, _ in members if f in unit.frozen_fqns),

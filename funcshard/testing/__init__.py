@@ -1,4 +1,5 @@
-"""Tools for testing sharded training code: a multi-rank runner, hypothesis strategies, models.
+"""Tools for testing sharded training code: a multi-rank runner, hypothesis strategies, models,
+and `check`, which checks the sharding laws on a user's own model (docs/check.md).
 
 Every submodule is an attribute after `import funcshard as fs`: `fs.testing.compare`,
 `.dynamo`, `.memory` and `.models` are imported with the package (they need only torch);
@@ -14,11 +15,14 @@ from funcshard.testing import compare as compare
 from funcshard.testing import dynamo as dynamo
 from funcshard.testing import memory as memory
 from funcshard.testing import models as models
+from funcshard.testing.check import check as check
+from funcshard.testing.report import LawViolation as LawViolation
+from funcshard.testing.report import Report as Report
 from funcshard.testing.runner import RankDied as RankDied
 from funcshard.testing.runner import RemoteTraceback as RemoteTraceback
 from funcshard.testing.runner import run as run
 
-__all__ = ["RankDied", "RemoteTraceback", "chaos", "run"]
+__all__ = ["LawViolation", "RankDied", "RemoteTraceback", "Report", "chaos", "check", "run"]
 
 _LAZY = ("strategies",)
 

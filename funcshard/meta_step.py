@@ -1,0 +1,366 @@
+"""A sharded state's buffers through one step, on the meta device (see [Note: dry run]).
+
+`MetaStep` mirrors `funcshard.sharded_call._Run` and `funcshard.regather.Regather` with
+allocations where they communicate: what is gathered, prefetched, resharded after forward,
+regathered in backward, and reduced with one reduce in flight. Keep the two in step: the
+estimate is only as right as this mirror (benchmarks/estimate.py and tests/test_estimate.py
+compare it with LiveTensors in a real step).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from funcshard.binding import Binding, set_slot
+from funcshard.layout import FlatLayout, Layout, frozen_ranges, param_views
+from funcshard.precision import (
+    MixedPrecision,
+    cast_inputs,
+    cast_outputs,
+    gather_dtype,
+    reduce_dtype,
+)
+
+
+class _Handle:
+    """What autograd keeps instead of a view into a resharded unit's buffer."""
+
+    __slots__ = ("call", "flat", "offset", "size", "stride", "unit")
+
+    def __init__(self, call: _Call, unit: int, flat: int, tensor: Tensor) -> None:
+        self.call, self.unit, self.flat = call, unit, flat
+        self.size, self.stride, self.offset = (
+            tensor.size(),
+            tensor.stride(),
+            tensor.storage_offset(),
+        )
+
+
+class _Call:
+    """One call of the model: what is gathered, prefetched and regathered (see
+    `funcshard.sharded_call._Run` and `funcshard.regather.Regather`)."""
+
+    def __init__(self) -> None:
+        self.full: dict[int, tuple[Tensor, ...]] = {}  # gathered in forward
+        self.params: dict[int, tuple[Tensor, ...]] = {}
+        self.pending: dict[int, tuple[Tensor, ...]] = {}  # issued, not yet used
+        self.regathered: dict[int, tuple[Tensor, ...]] = {}
+        self.slices: dict[int, tuple[Tensor, ...]] = {}  # reshard_after_forward=k
+        self.order: list[int] = []
+        self.relinked: set[int] = set()
+        self.finished: set[int] = set()
+        self.unfinished: dict[int, int] = {}
+
+
+class MetaStep:
+    """The sharded state of one dry run and the life of its units' buffers."""
+
+    def __init__(
+        self,
+        binding: Binding,
+        layout: Layout,
+        sizes: tuple[int, int],
+        mp: MixedPrecision | None,
+        reshard_after_forward: bool | int,
+        prefetch: bool,
+    ) -> None:
+        self.binding, self.layout, self.mp, self.prefetch = binding, layout, mp, prefetch
+        self.replicate, self.shard = sizes
+        flats = layout.flats
+        self.shards = tuple(
+            torch.empty(f.shard_numel, dtype=f.dtype, device="meta").requires_grad_(not f.frozen)
+            for f in flats
+        )
+        trainable = set(layout.replicated_trainable)
+        self.replicated = {
+            fqn: torch.empty(
+                _shape(binding, fqn), dtype=_dtype(binding, fqn), device="meta"
+            ).requires_grad_(fqn in trainable)
+            for fqn in layout.replicated
+        }
+        for slot, fqn in binding.replicated_slots:
+            set_slot(slot, self.replicated[fqn])
+        for slot, _ in binding.buffer_slots:  # the state's buffers, on the meta device
+            set_slot(slot, torch.empty_like(slot.module._buffers[slot.attr], device="meta"))
+        self.copies = self.shard > 1 or any(gather_dtype(mp, f) != f.dtype for f in flats)
+        self.reshard = reshard_after_forward is not False and self.copies
+        k = reshard_after_forward
+        self.k = k if not isinstance(k, bool) and k < self.shard else None
+        whole = binding.whole_call
+        sharded = [u for u in range(len(binding.unit_names)) if u not in whole]
+        self.forward_next = dict(itertools.pairwise(sharded))
+        self.owner: dict[int, tuple[_Call, int, int]] = {}  # id of a gathered buffer ->
+        # (call, unit, flat index): how `pack` recognizes the parameters' views
+        self.calls: list[_Call] = []
+        self.current: _Call | None = None
+        self.in_flight: Tensor | None = None  # the input of the reduce in flight
+
+    # the state
+    def leaves(self) -> list[Tensor]:
+        """What the step differentiates: the trainable shards and replicated parameters."""
+        return [t for t in (*self.shards, *self.replicated.values()) if t.requires_grad]
+
+    def optimized(self) -> dict[str, Tensor]:
+        """The leaves the optimizer updates, as a dict (`funcshard.optim` takes one)."""
+        return {str(i): t.detach() for i, t in enumerate(self.leaves())}
+
+    def finish(self) -> None:
+        """Backward is done: the last reduce lands, and each call's buffers go."""
+        self.in_flight = None
+        self.calls.clear()
+        self.owner.clear()
+
+    # forward
+    def install_hooks(self, model: nn.Module) -> list[Any]:
+        binding = self.binding
+        handles = [
+            model.register_forward_pre_hook(self._begin, prepend=True, with_kwargs=True),
+            model.register_forward_hook(self._end, always_call=True),
+        ]
+        for module, units in binding.relinks:
+            handles.append(module.register_forward_pre_hook(self._relink_hook(units)))
+        for unit, module in enumerate(binding.unit_modules):
+            if unit not in binding.whole_call and module is not None:
+                handles.append(module.register_forward_pre_hook(self._enter_hook(unit)))
+                handles.append(
+                    module.register_forward_hook(self._leave_hook(unit), always_call=True)
+                )
+        return handles
+
+    def _enter_hook(self, unit: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.current is not None:
+                self._enter(self.current, unit)
+
+        return hook
+
+    def _leave_hook(self, unit: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.current is not None:
+                self._leave(self.current, unit)
+
+        return hook
+
+    def _relink_hook(self, units: tuple[int, ...]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.current is not None:
+                for unit in units:
+                    self._relink(self.current, unit)
+
+        return hook
+
+    def _begin(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The model's call starts: gather the whole-call units, cast the inputs."""
+        call = self.current = _Call()
+        self.calls.append(call)
+        for unit in range(len(self.binding.unit_names)):
+            if unit in self.binding.whole_call:
+                self._enter(call, unit)
+            else:
+                self._swap_out(unit)
+        return cast_inputs(self.mp, args, kwargs)
+
+    def _end(self, model: nn.Module, args: tuple, output: Any) -> Any:
+        """The model's call returns: keep what backward needs, cast the outputs."""
+        call, self.current = self.current, None
+        if call is None:
+            return output
+        call.pending.clear()  # a prefetch nobody used
+        for unit in list(call.full):
+            self._swap_out(unit)  # the call puts the model's own tensors back
+            keep = self._trainable(unit) and (not self.reshard or unit in self.binding.whole_call)
+            if not keep:
+                call.full.pop(unit)
+        call.params.clear()  # views whose nodes hold the call: a cycle through autograd
+        return cast_outputs(self.mp, output)
+
+    def _enter(self, call: _Call, unit: int) -> None:
+        params = self._gathered(call, unit)
+        call.order.append(unit)
+        nxt = self.forward_next.get(unit) if self.prefetch else None
+        if nxt is not None:
+            self._issue(call, nxt)
+        for slot, index, _ in self.binding.param_slots[unit]:
+            set_slot(slot, params[index])
+
+    def _gathered(self, call: _Call, unit: int) -> tuple[Tensor, ...]:
+        if unit in call.params:
+            return call.params[unit]
+        self._issue(call, unit)
+        fulls = call.full.get(unit) or call.pending.pop(unit)
+        params: list[Tensor] = []
+        for i, full in zip(self.binding.unit_flats[unit], fulls, strict=True):
+            flat = self.layout.flats[i]
+            if self.shards[i].requires_grad and torch.is_grad_enabled():
+                params.extend(_DryGather.apply(self.shards[i], (self, call, unit, i, full)))
+                if self.reshard:
+                    self.owner[id(full)] = (call, unit, i)
+                    call.unfinished[unit] = call.unfinished.get(unit, 0) + 1
+            else:
+                params.extend(param_views(full, flat))
+        call.full[unit] = fulls
+        call.params[unit] = tuple(params)
+        return call.params[unit]
+
+    def _issue(self, call: _Call, unit: int) -> None:
+        """Allocate a unit's buffers where the all-gathers would be issued."""
+        if unit in call.full or unit in call.pending or unit in call.regathered:
+            return
+        call.slices.pop(unit, None)  # regathered from the slices: they go
+        flats = [self.layout.flats[i] for i in self.binding.unit_flats[unit]]
+        if not self.copies:  # a size-1 shard axis without a cast: the shards themselves
+            call.pending[unit] = tuple(
+                self.shards[i].detach() for i in self.binding.unit_flats[unit]
+            )
+            return
+        call.pending[unit] = tuple(
+            torch.empty(f.padded_numel, dtype=gather_dtype(self.mp, f), device="meta")
+            for f in flats
+        )
+
+    def _relink(self, call: _Call, unit: int) -> None:
+        """A fresh gather node over a whole-call unit's buffers (see `_Run.relink`)."""
+        if unit in call.relinked or not self._trainable(unit) or not torch.is_grad_enabled():
+            return
+        call.relinked.add(unit)
+        params: list[Tensor] = []
+        old = iter(call.params[unit])
+        for i, full in zip(self.binding.unit_flats[unit], call.full[unit], strict=True):
+            views = [next(old) for _ in self.layout.flats[i].fqns]
+            if self.shards[i].requires_grad:
+                views = list(_DryGather.apply(self.shards[i], (self, call, unit, i, full)))
+            params.extend(views)
+        call.params[unit] = tuple(params)
+        for slot, index, _ in self.binding.param_slots[unit]:
+            set_slot(slot, params[index])
+
+    def _leave(self, call: _Call, unit: int) -> None:
+        self._swap_out(unit)
+        trainable = self._trainable(unit)
+        if trainable and not self.reshard:
+            return
+        fulls = call.full.pop(unit, ())
+        call.params.pop(unit, None)
+        if trainable:
+            if self.k is not None:  # this rank's 1/k slice stays until backward
+                call.slices[unit] = tuple(f.detach().chunk(self.k)[0].clone() for f in fulls)
+            for f in fulls:
+                self.owner.pop(id(f), None)
+
+    def _swap_out(self, unit: int) -> None:
+        for slot, _, placeholder in self.binding.param_slots[unit]:
+            set_slot(slot, placeholder)
+
+    def _trainable(self, unit: int) -> bool:
+        return any(self.shards[i].requires_grad for i in self.binding.unit_flats[unit])
+
+    # backward
+    def pack(self, tensor: Tensor) -> Any:
+        owner = self.owner.get(id(tensor if tensor._base is None else tensor._base))
+        if owner is None:
+            return tensor
+        call, unit, i = owner
+        if unit in self.binding.whole_call or tensor.dtype != gather_dtype(
+            self.mp, self.layout.flats[i]
+        ):
+            return tensor
+        return _Handle(call, unit, i, tensor)
+
+    def unpack(self, packed: Any) -> Tensor:
+        if not isinstance(packed, _Handle):
+            return packed
+        call, unit = packed.call, packed.unit
+        if unit not in call.regathered:
+            self._issue(call, unit)
+            call.regathered[unit] = call.pending.pop(unit)
+            nxt = self._next(call, unit) if self.prefetch else None
+            if nxt is not None:
+                self._issue(call, nxt)
+        flat = call.regathered[unit][self.binding.unit_flats[unit].index(packed.flat)]
+        return flat.as_strided(packed.size, packed.stride, packed.offset)
+
+    def _next(self, call: _Call, unit: int) -> int | None:
+        """The unit that ran before `unit` in forward, if backward still needs it."""
+        if unit not in call.order or call.order.index(unit) == 0:
+            return None
+        earlier = call.order[call.order.index(unit) - 1]
+        if earlier in self.binding.whole_call or earlier in call.finished:
+            return None
+        return None if earlier in call.regathered else earlier
+
+    def reduce(self, call: _Call, unit: int, i: int, grads: tuple[Tensor | None, ...]) -> Tensor:
+        """A gather node's backward: drop the regathered buffers (the unit's backward is
+        done), concatenate, cast, and reduce with one reduce in flight."""
+        if unit in call.unfinished:
+            call.unfinished[unit] -= 1
+            if call.unfinished[unit] == 0:
+                call.finished.add(unit)
+                call.regathered.pop(unit, None)
+        flat = self.layout.flats[i]
+        grad = _prepared(_concat(grads, flat, gather_dtype(self.mp, flat)), flat, self.mp)
+        if self.shard > 1:
+            self.in_flight = None  # finishing the last reduce frees its input
+            out = grad.new_empty(flat.shard_numel)
+            self.in_flight = grad
+            return out
+        if self.replicate > 1:  # an all-reduce in place
+            self.in_flight = grad
+        return grad
+
+
+class _DryGather(torch.autograd.Function):
+    """A unit's parameters as views of its buffer; backward is `MetaStep.reduce`."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: Tensor, where: tuple) -> tuple[Tensor, ...]:
+        step, call, unit, i, full = where
+        ctx.where = (step, call, unit, i)  # not the buffer: the graph must not keep it
+        ctx.set_materialize_grads(False)
+        return param_views(full, step.layout.flats[i])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None]:
+        step, call, unit, i = ctx.where
+        return step.reduce(call, unit, i, grads), None
+
+
+def _concat(grads: tuple[Tensor | None, ...], flat: FlatLayout, dtype: torch.dtype) -> Tensor:
+    """One full (padded) flat gradient, as `funcshard.gather._concat` makes it."""
+    like = next((g for g in grads if g is not None), None)
+    dtype = like.dtype if like is not None else dtype
+    pieces = [
+        torch.zeros(n, dtype=dtype, device="meta") if g is None else g.reshape(-1)
+        for g, n in zip(grads, flat.numels, strict=True)
+    ]
+    if flat.padded_numel > flat.numel:
+        pieces.append(torch.zeros(flat.padded_numel - flat.numel, dtype=dtype, device="meta"))
+    return torch.cat(pieces)
+
+
+def _prepared(full: Tensor, flat: FlatLayout, mp: MixedPrecision | None) -> Tensor:
+    grad = full.to(reduce_dtype(mp, flat))
+    if flat.frozen_fqns:
+        grad = grad.clone() if grad is full else grad
+        for frozen in frozen_ranges(flat):
+            grad[frozen] = 0
+    return grad
+
+
+def _shape(binding: Binding, fqn: str) -> tuple[int, ...]:
+    return tuple(_replicated_tensor(binding, fqn).shape)
+
+
+def _dtype(binding: Binding, fqn: str) -> torch.dtype:
+    return _replicated_tensor(binding, fqn).dtype
+
+
+def _replicated_tensor(binding: Binding, fqn: str) -> Tensor:
+    for slot, name in binding.replicated_slots:
+        if name == fqn:
+            return slot.module._parameters[slot.attr]
+    raise ValueError(f"funcshard.estimate: no module holds the ignored parameter {fqn!r}.")

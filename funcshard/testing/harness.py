@@ -1,0 +1,292 @@
+"""The pieces `fs.testing.check` runs a user's model with, on every rank and in the reference:
+what is checked (`Case`, `Config`), how the model is built and sharded, how the global batch
+is drawn and split, and the standard training step.
+
+The standard step is the one README.md teaches: `fs.value_and_grad` of the loss with
+`fs.call(model, state, ...)` inside, `opt.update`, `fs.apply_updates`, and the call's new
+buffers threaded into the next state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+import funcshard as fs
+from funcshard import collectives
+from funcshard.rng import data_parallel_index, fold_in
+
+LAWS = ("round_trip", "parity", "determinism", "checkpoint", "collectives", "purity", "memory")
+MP = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ADAMW_EPS = 1e-3  # see DESIGN.md §10 item 4: at 1e-8 roundoff in zero grads becomes lr-sized
+
+
+class PhaseFailed(Exception):
+    """A rank's work broke `law` before it could be observed whole (an exception, or a
+    collective that differs across ranks)."""
+
+    def __init__(self, law: str, message: str) -> None:
+        super().__init__(law, message)
+        self.law, self.message = law, message
+
+    def __str__(self) -> str:
+        return f"{self.law}: {self.message}"
+
+
+@contextlib.contextmanager
+def phase(law: str) -> Iterator[None]:
+    """Raise what goes wrong inside as `PhaseFailed(law, ...)` (`collectives` for a
+    collective that differs across ranks, whatever the phase)."""
+    try:
+        yield
+    except PhaseFailed:
+        raise
+    except collectives.CollectiveError as e:
+        raise PhaseFailed("collectives", first_lines(e)) from e
+    except Exception as e:
+        raise PhaseFailed(law, f"{type(e).__name__}: {first_lines(e)}") from e
+
+
+def first_lines(error: BaseException, lines: int = 6) -> str:
+    return "\n".join(str(error).splitlines()[:lines])
+
+
+@dataclass(frozen=True)
+class Case:
+    """The user's model, data and loss, and the options that hold for every configuration.
+
+    Everything here is sent to every rank, so the callables pickle by reference
+    (module-level functions or classes).
+    """
+
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[int], tuple[Any, Any]]
+    loss_fn: Callable[[Any, Any], Tensor]
+    policy: Any = None
+    steps: int = 3
+    optimizer: str = "adamw"
+    lr: float = 1e-2
+    batch_stats: bool | None = None  # None: whether the model holds batch-norm layers
+    meta: bool | None = None  # None: try the meta device, fall back to the CPU
+    setup: Callable[[], contextlib.AbstractContextManager] | None = None
+    laws: tuple[str, ...] = LAWS
+
+
+@dataclass(frozen=True, order=True)
+class Config:
+    """One configuration to check: a mesh, a plan, resharding, precision and a seed."""
+
+    replicate: int
+    shard: int
+    ddp: bool  # fs.replicate (DDP buckets) rather than fs.shard
+    policy: str  # "given", "blocks", "size", "root" or "buckets" (DDP)
+    reshard_after_forward: bool | int
+    mp: str | None
+    seed: int
+    resume_world: int  # the world size the checkpoint is loaded at
+
+    @property
+    def world(self) -> int:
+        return self.replicate * self.shard
+
+    @property
+    def mesh_name(self) -> str:
+        if self.world == 1:
+            return "1 rank"
+        if self.ddp:
+            return f"ddp {self.replicate}"
+        if self.replicate == 1:
+            return f"fsdp {self.shard}"
+        return f"hsdp {self.replicate}x{self.shard}"
+
+    def __str__(self) -> str:
+        reshard = "" if self.shard == 1 else f", reshard {self.reshard_after_forward}"
+        policy = "" if self.ddp else f", policy {self.policy}"
+        return (
+            f"{self.mesh_name}{policy}{reshard}, {self.mp or 'fp32'}, seed {self.seed}, "
+            f"resume at {self.resume_world}"
+        )
+
+
+@contextlib.contextmanager
+def user_setup(case: Case) -> Iterator[None]:
+    """The case's `setup()` context, if it has one."""
+    with case.setup() if case.setup is not None else contextlib.nullcontext():
+        yield
+
+
+def mesh_of(config: Config) -> fs.Mesh:
+    """The configuration's mesh, every collective compared across ranks before it is issued."""
+    return fs.Mesh(replicate=config.replicate, shard=config.shard, check_collectives=True)
+
+
+def build(case: Case, config: Config, mesh: fs.Mesh) -> tuple[nn.Module, fs.ShardedState, str]:
+    """Build and shard the model: on the meta device where `fs.shard` can initialize it
+    (unless `case.meta` is False), else on the CPU after `torch.manual_seed(seed)`. Returns
+    the model, its state and where it was built ("meta" or "cpu")."""
+    with phase("round_trip"):
+        model = _on_meta(case)
+        if model is not None:
+            try:
+                return _prepared(model), _shard(case, config, model, mesh), "meta"
+            except RuntimeError as e:  # a tensor no reset_parameters() initializes
+                if case.meta or "meta" not in str(e):
+                    raise
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            model = case.make_model()
+        return _prepared(model), _shard(case, config, model, mesh), "cpu"
+
+
+def _on_meta(case: Case) -> nn.Module | None:
+    """`make_model()` on the meta device; None when `case.meta` is False or it cannot be
+    built there (its constructor reads values, say) and `case.meta` is not True."""
+    if case.meta is False:
+        return None
+    try:
+        with torch.device("meta"):
+            return case.make_model()
+    except Exception:
+        if case.meta:
+            raise
+        return None
+
+
+def _prepared(model: nn.Module) -> nn.Module:
+    """Eval mode (dropout off on both sides) with batch-norm layers in train mode, so that
+    their batch statistics and running averages are checked too."""
+    model.eval()
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.train()
+    return model
+
+
+def _shard(case: Case, config: Config, model: nn.Module, mesh: fs.Mesh) -> fs.ShardedState:
+    if config.ddp:  # about three buckets; mixed precision is DDP's compressed all-reduce
+        mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 3 / 2**20
+        dtype = MP[config.mp] if config.mp is not None else None
+        return fs.replicate(
+            model, mesh, bucket_mb=mb, first_bucket_mb=mb / 2, comm_dtype=dtype, seed=config.seed
+        )
+    plan = fs.plan(model, policy=_policy(case, config.policy, model))
+    return fs.shard(
+        model,
+        plan,
+        mesh,
+        mp=mixed_precision(config.mp),
+        reshard_after_forward=config.reshard_after_forward,
+        seed=config.seed,
+    )
+
+
+def mixed_precision(name: str | None) -> fs.MixedPrecision | None:
+    """bf16 or fp16 gathers and compute, fp32 reduction and outputs; None for fp32."""
+    if name is None:
+        return None
+    return fs.MixedPrecision(
+        param_dtype=MP[name], reduce_dtype=torch.float32, output_dtype=torch.float32
+    )
+
+
+def _policy(case: Case, name: str, model: nn.Module) -> Any:
+    """The policy a configuration names, built for this model."""
+    if name == "given":
+        return case.policy
+    if name == "blocks":
+        return fs.policy.module_classes(_block_classes(model))
+    if name == "size":
+        return fs.policy.size(max(1, sum(p.numel() for p in model.parameters()) // 4))
+    return None  # "root": one unit
+
+
+def _block_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """The classes inside the model's first non-empty ModuleList (transformer blocks)."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module):
+            return {type(child) for child in module}
+    return set()
+
+
+def has_batch_stats(model: nn.Module) -> bool:
+    """Whether a layer normalizes by the statistics of the batch in train mode."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def bitwise(a: Tensor, b: Tensor) -> bool:
+    """Same shape, dtype and bytes (NaN equals itself here, unlike `torch.equal`)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(_as_bytes(a), _as_bytes(b))
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def optimizer(case: Case) -> fs.optim.Optimizer:
+    """AdamW with eps 1e-3 (see ADAMW_EPS), or SGD with momentum 0.9, at the case's rate."""
+    if case.optimizer == "sgd":
+        return fs.optim.sgd(case.lr, momentum=0.9)
+    return fs.optim.adamw(case.lr, eps=ADAMW_EPS, weight_decay=0.01)
+
+
+def global_batch(case: Case, config: Config, step: int) -> tuple[Any, Any]:
+    """`make_batch(step)`, with torch's generator seeded by (seed, step): every rank and the
+    reference get the same batch even from a make_batch that draws unseeded."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(fold_in(config.seed, step))
+        return case.make_batch(step)
+
+
+def split(tree: Any, index: int, parts: int) -> Any:
+    """Chunk `index` of `parts` of every tensor of `tree` along dim 0."""
+    return optree.tree_map(
+        lambda x: x.chunk(parts)[index] if isinstance(x, Tensor) else x, tree, none_is_leaf=False
+    )
+
+
+def local_batch(case: Case, config: Config, step: int, mesh: fs.Mesh) -> tuple[Any, Any]:
+    """This rank's micro-batch of step `step`: its data-parallel index's chunk."""
+    inputs, targets = global_batch(case, config, step)
+    index = data_parallel_index(mesh)
+    return split(inputs, index, mesh.size), split(targets, index, mesh.size)
+
+
+def call(model: nn.Module, params: Any, inputs: Any, **options: Any) -> Any:
+    """`fs.call` with the inputs as `model(**inputs)` (a dict), `model(*inputs)` (a tuple or
+    list) or `model(inputs)`."""
+    if isinstance(inputs, dict):
+        return fs.call(model, params, **inputs, **options)
+    if isinstance(inputs, tuple | list):
+        return fs.call(model, params, *inputs, **options)
+    return fs.call(model, params, inputs, **options)
+
+
+def step(
+    case: Case,
+    model: nn.Module,
+    state: fs.ShardedState,
+    opt: fs.optim.Optimizer,
+    opt_state: Any,
+    inputs: Any,
+    targets: Any,
+) -> tuple[Tensor, fs.ShardedState, Any]:
+    """The standard step: returns this rank's loss, the new state and optimizer state."""
+
+    def loss_of(state: fs.ShardedState, inputs: Any, targets: Any) -> tuple[Tensor, Any]:
+        out, buffers = call(model, state, inputs, mutable=True)
+        return case.loss_fn(out, targets), buffers
+
+    (loss, buffers), grads = fs.value_and_grad(loss_of, has_aux=True)(state, inputs, targets)
+    updates, opt_state = opt.update(grads, opt_state, state)
+    state = fs.apply_updates(state, updates)
+    if buffers:
+        state = state.replace(buffers=buffers)
+    return loss, state, opt_state

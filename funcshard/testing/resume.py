@@ -1,0 +1,204 @@
+"""The checkpoint law of `fs.testing.check`: saved at one world size, loaded at another.
+
+[Note: the checkpoint law, apart from parity]
+The run at world size W saves a checkpoint before its last step, and hands the parent what
+it saved (full parameters, buffers and optimizer moments, unsharded) with the loss the next
+step must have on the micro-batches of W' ranks (a forward at W of each of them). On W'
+ranks, `resume` then continues twice: from the checkpoint it loads, and from the saved
+values handed over in memory (resharded for W'). The checkpoint law is exact: what was
+loaded equals what was saved, bitwise, and the two continuations are bitwise the same (the
+same numbers through the same W' program). Whether W' ranks compute what W ranks computed
+(the first loss, and the parameters after continuing, against the uninterrupted run, within
+1e-6) is then a question of parity, not of checkpoints, and the parent judges it as parity:
+a forward that depends on the rank fails there, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import funcshard as fs
+from funcshard.testing.harness import (
+    Case,
+    Config,
+    bitwise,
+    build,
+    call,
+    global_batch,
+    local_batch,
+    mesh_of,
+    optimizer,
+    phase,
+    split,
+    step,
+    user_setup,
+)
+
+
+def save(
+    case: Case,
+    config: Config,
+    model: nn.Module,
+    state: fs.ShardedState,
+    opt_state: Any,
+    at: int,
+    path: str,
+    rank: int,
+) -> dict[str, Any]:
+    """Save before step `at`; return what was saved (unsharded: the parameters and optimizer
+    moments on rank 0, every rank's buffers) and the loss step `at` must have on the
+    micro-batches of `config.resume_world` ranks."""
+    fs.checkpoint.save(path, state, opt_state, step=at)
+    inputs, targets = global_batch(case, config, at)
+    parts = config.resume_world
+    with torch.no_grad():  # every rank runs every micro-batch: calls communicate
+        losses = [
+            case.loss_fn(call(model, state, split(inputs, i, parts)), split(targets, i, parts))
+            for i in range(parts)
+        ]
+    params, moments = _clone(fs.unshard(state)), unsharded_moments(state, opt_state)
+    return {
+        **({"params": params, "moments": moments} if rank == 0 else {}),
+        "buffers": _clone(state.buffers),  # every rank's: they may differ (BatchNorm)
+        "next_loss": sum(loss.double().item() for loss in losses) / parts,
+    }
+
+
+def resume(case: Case, config: Config, path: str, saved: dict[str, Any], rank: int) -> dict:
+    """On `config.resume_world` ranks (DDP as DDP, the rest as FSDP): load the checkpoint,
+    compare it with `saved` (rank 0's `save` result, with `buffers` a list of every rank's),
+    continue from both and compare the continuations (see [Note: the checkpoint law, apart
+    from parity]). Buffers such as BatchNorm's running statistics differ across ranks, and a
+    checkpoint keeps one rank's: the loaded ones must be one rank's, bitwise."""
+    with user_setup(case), phase("checkpoint"):
+        world = config.resume_world
+        axes = (world, 1) if config.ddp else (1, world)
+        config = dataclasses.replace(
+            config, replicate=axes[0], shard=axes[1], reshard_after_forward=True
+        )
+        model, state, _ = build(case, config, mesh_of(config))
+        opt = optimizer(case)
+        fresh = opt.init(state)
+        loaded, loaded_opt, at, _ = fs.checkpoint.load(path, like=(state, fresh))
+        buffers = _one_of(saved["buffers"], loaded.buffers)
+        saved = {**saved, "buffers": buffers}
+        problems = _differences("loaded", _unsharded(loaded, loaded_opt), saved)
+        direct = fs.reshard(state, saved["params"]).replace(buffers=buffers)
+        direct_opt = _with_moments(direct, fresh, saved["moments"])
+        ours = _continue(case, config, model, loaded, opt, loaded_opt, at)
+        theirs = _continue(case, config, model, direct, opt, direct_opt, at)
+        problems += _differences("continued", ours, theirs)
+        return {
+            "problems": problems,
+            "step": at,
+            "losses": theirs["losses"],
+            "final": theirs["params"] if rank == 0 else None,
+        }
+
+
+def _one_of(candidates: list[dict[str, Tensor]], buffers: dict[str, Tensor]) -> dict:
+    """The first of `candidates` bitwise equal to `buffers`, else the first."""
+    for candidate in candidates:
+        if candidate.keys() == buffers.keys() and all(
+            bitwise(v, buffers[k]) for k, v in candidate.items()
+        ):
+            return candidate
+    return candidates[0]
+
+
+def _continue(
+    case: Case,
+    config: Config,
+    model: nn.Module,
+    state: fs.ShardedState,
+    opt: fs.optim.Optimizer,
+    opt_state: Any,
+    at: int,
+) -> dict[str, Any]:
+    """Train from step `at` to the end; the losses, and the state unsharded."""
+    losses = []
+    for s in range(at, case.steps):
+        inputs, targets = local_batch(case, config, s, state.layout.mesh)
+        loss, state, opt_state = step(case, model, state, opt, opt_state, inputs, targets)
+        losses.append(fs.pmean(loss, state.layout.mesh))
+    return {"losses": [loss.item() for loss in losses], **_unsharded(state, opt_state)}
+
+
+def _unsharded(state: fs.ShardedState, opt_state: Any) -> dict[str, Any]:
+    """Parameters, buffers and optimizer moments, unsharded (communicates)."""
+    return {
+        "params": _clone(fs.unshard(state)),
+        "buffers": _clone(state.buffers),
+        "moments": unsharded_moments(state, opt_state),
+    }
+
+
+def _clone(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.detach().clone() for k, v in tensors.items()}
+
+
+def unsharded_moments(state: fs.ShardedState, opt_state: Any) -> dict[str, Any]:
+    """The optimizer state's fields, those laid out like the shards (one per flat buffer:
+    momentum, Adam's moments) unsharded by FQN with which buffers had one; the others (the
+    step count) as they are. Communicates: as `fs.unshard` does, per such field."""
+    out = {}
+    for field in dataclasses.fields(opt_state):
+        value = getattr(opt_state, field.name)
+        if isinstance(value, tuple) and len(value) == len(state.shards):
+            present = tuple(v is not None for v in value)
+            filled = tuple(
+                v if v is not None else torch.zeros_like(s)
+                for v, s in zip(value, state.shards, strict=True)
+            )
+            out[field.name] = (present, _clone(fs.unshard(state.replace(shards=filled))))
+        else:
+            out[field.name] = value.detach().clone() if isinstance(value, Tensor) else value
+    return out
+
+
+def _with_moments(state: fs.ShardedState, opt_state: Any, moments: dict[str, Any]) -> Any:
+    """`opt_state` with the fields of `unsharded_moments` resharded into `state`'s layout."""
+    changes = {}
+    for name, value in moments.items():
+        if isinstance(value, tuple):
+            present, full = value
+            shards = fs.reshard(state, full).shards
+            changes[name] = tuple(s if p else None for s, p in zip(shards, present, strict=True))
+        else:
+            changes[name] = value
+    return dataclasses.replace(opt_state, **changes)
+
+
+def _differences(what: str, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """Where two unsharded snapshots differ bitwise, in words."""
+    problems = [
+        f"{what} step {i} loss {a!r}, from memory {b!r}"
+        for i, (a, b) in enumerate(
+            zip(ours.get("losses", ()), theirs.get("losses", ()), strict=True)
+        )
+        if a != b
+    ]
+    for kind in ("params", "buffers"):
+        problems += [
+            f"{what} {kind[:-1]} {k} differs"
+            for k, v in theirs[kind].items()
+            if k not in ours[kind] or not bitwise(ours[kind][k], v)
+        ]
+    for name, value in theirs["moments"].items():
+        mine = ours["moments"].get(name)
+        if isinstance(value, tuple):
+            if mine is None or mine[0] != value[0]:
+                problems.append(f"{what} optimizer {name}: other buffers hold one")
+                continue
+            problems += [
+                f"{what} optimizer {name} of {k} differs"
+                for k, v in value[1].items()
+                if not bitwise(mine[1][k], v)
+            ]
+        elif isinstance(value, Tensor) and not bitwise(mine, value):
+            problems.append(f"{what} optimizer {name} {mine!r}, saved {value!r}")
+    return problems
