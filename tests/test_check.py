@@ -309,3 +309,24 @@ def test_a_seed_replays_the_same_configurations_and_a_database_replays_the_failu
     saved = fs.testing.check(RankDependentBuffer, regression, database=tmp_path, **options)
     replayed = fs.testing.check(RankDependentBuffer, regression, database=tmp_path, **options)
     assert replayed.configs[0] == saved.smallest  # replayed first, before anything is drawn
+
+
+def test_a_configuration_that_crashed_never_passes_even_when_its_law_was_not_asked_for():
+    """A rank that raised in the collectives phase fails a check of parity alone."""
+    from funcshard.testing.harness import Case, Config, PhaseFailed
+    from funcshard.testing.judge import judge
+
+    case = Case(make_model=None, make_batch=None, loss_fn=None, laws=("parity",))
+    config = Config(1, 2, False, "blocks", True, None, 0, 1)
+    (result,) = judge(case, config, PhaseFailed("collectives", "rank 1 died"), None)
+    assert result.failed and "collectives failed first: rank 1 died" in result.detail
+
+
+def test_mixed_precision_parity_judges_each_update_so_a_flipped_gradient_fails():
+    from funcshard.testing.judge import MP_UPDATE_TOLERANCE, update_error
+
+    first = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    update = 1e-2 * torch.randn(64, generator=torch.Generator().manual_seed(1))
+    rounding = 1e-2 * update * torch.randn(64, generator=torch.Generator().manual_seed(2))
+    assert update_error(first + update + rounding, first + update, first) < MP_UPDATE_TOLERANCE
+    assert update_error(first - update, first + update, first) > MP_UPDATE_TOLERANCE

@@ -44,6 +44,22 @@ def bounds(config: Config, lr: float, steps: int, across: bool = False) -> Bound
     return Bounds(5e-2, 2 * lr * steps, floor=1.0)
 
 
+# With low-precision gathers each parameter's total update (final - first) must be within
+# this fraction of the reference's, in L2 norm: a wrong or sign-flipped gradient moves the
+# weights the other way and fails it, where a bound on the weights themselves cannot (AdamW
+# moves every weight about lr a step whatever its gradient).
+MP_UPDATE_TOLERANCE = 0.25
+
+
+def update_error(ours: Tensor, theirs: Tensor, first: Tensor) -> float:
+    """|(ours - first) - (theirs - first)| / |theirs - first| in L2 norm (absolute when the
+    reference did not move)."""
+    moved = theirs.detach().double() - first.detach().double()
+    diff = (ours.detach().double() - theirs.detach().double()).norm().item()
+    scale = moved.norm().item()
+    return diff / scale if scale > 0 else diff
+
+
 def judge(
     case: Case,
     config: Config,
@@ -52,11 +68,12 @@ def judge(
 ) -> list[LawResult]:
     """Every law asked for, on one configuration."""
     if isinstance(observed, PhaseFailed):
-        return [_raised(config, law, observed) for law in case.laws]
+        return [_raised(config, law, observed, "", case.laws) for law in case.laws]
     results = []
     for law in case.laws:
         if isinstance(resumed, PhaseFailed) and law in (resumed.law, "checkpoint"):
-            results.append(_raised(config, law, resumed, f"at {config.resume_world} ranks: "))
+            where = f"at {config.resume_world} ranks: "
+            results.append(_raised(config, law, resumed, where, case.laws))
         elif law == "checkpoint" and resumed is None:
             results.append(LawResult(law, config, NOT_RUN, detail="nothing to resume"))
         else:
@@ -64,9 +81,17 @@ def judge(
     return results
 
 
-def _raised(config: Config, law: str, error: PhaseFailed, where: str = "") -> LawResult:
+def _raised(
+    config: Config, law: str, error: PhaseFailed, where: str, asked: tuple[str, ...]
+) -> LawResult:
+    """A law's result when a phase raised: a failure of the law whose phase it was, or, when
+    that law was not asked for, of the first law asked for (a configuration that crashed
+    never passes); the others did not run."""
     if error.law == law:
         return LawResult(law, config, FAIL, detail=where + error.message)
+    if error.law not in asked and law == asked[0]:
+        detail = f"{where}{error.law} failed first: {error.message}"
+        return LawResult(law, config, FAIL, detail=detail)
     return LawResult(law, config, NOT_RUN, detail=f"not run: {error.law} failed first")
 
 
@@ -98,7 +123,13 @@ def judge_parity(case: Case, config: Config, observed: list, resumed: Any) -> La
     ):
         worst.add(_relative(ours, theirs), limits.loss, f"the loss of step {step}")
     for rank, o in enumerate(observed):
-        pairs = [(fqn, o["run"]["final"][fqn], v) for fqn, v in reference["final"].items()]
+        if config.mp is not None:
+            for fqn, v in reference["final"].items():
+                error = update_error(o["run"]["final"][fqn], v, reference["first"][fqn])
+                worst.add(error, MP_UPDATE_TOLERANCE, f"the update of {fqn} on rank {rank}")
+            pairs = []
+        else:
+            pairs = [(fqn, o["run"]["final"][fqn], v) for fqn, v in reference["final"].items()]
         buffers = reference["buffers"][rank if batch_stats else 0]
         pairs += [(f"buffer {k}", o["run"]["buffers"][k], v) for k, v in buffers.items()]
         for name, ours, theirs in pairs:

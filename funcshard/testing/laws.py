@@ -122,6 +122,11 @@ def _round_trip(model: nn.Module, state: fs.ShardedState, built_on: str) -> list
     problems += [
         f"{k} changed through reshard and unshard" for k in full if not bitwise(full[k], again[k])
     ]
+    bumped = {k: v + 1 for k, v in full.items()}  # other values: a reshard that ignores them fails
+    through = fs.unshard(fs.reshard(state, bumped))
+    problems += [
+        f"{k}: reshard lost new values" for k in full if not bitwise(bumped[k], through[k])
+    ]
     if built_on == "cpu":
         params = dict(model.named_parameters())
         problems += [f"{k} unlike the model's" for k in full if not bitwise(full[k], params[k])]

@@ -57,4 +57,5 @@ def reference(
         opt.step()
         losses.append(total)
     final = {k: v.detach() for k, v in params.items()}
-    return {"losses": losses, "final": final, "buffers": rank_buffers}
+    first = {k: v.detach().clone() for k, v in full.items()}
+    return {"losses": losses, "first": first, "final": final, "buffers": rank_buffers}
