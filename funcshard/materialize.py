@@ -36,6 +36,11 @@ from funcshard.layout import FlatLayout, Layout
 from funcshard.tree import format_names, join_fqn
 
 
+class StillOnMeta(RuntimeError):
+    """`shard` could not initialize some tensors of a meta-device model (their modules
+    define no `reset_parameters()` or `reset_buffers()`)."""
+
+
 def local_slice(tensors: list[Tensor], flat: FlatLayout, shard_rank: int) -> Tensor:
     """This rank's (shard_numel,) slice of the zero-padded concatenation of `tensors`."""
     device = tensors[0].device if tensors else torch.device("cpu")
@@ -85,7 +90,7 @@ def materialize(
         for prefix, module in work.named_modules():
             _init_module(module, prefix, first_fqn, seen, device, on_initialized, uninitialized)
     if uninitialized:
-        raise RuntimeError(
+        raise StillOnMeta(
             f"funcshard.shard: these tensors are still on the meta device after initialization: "
             f"{format_names(uninitialized, limit=20)}. Their modules define no "
             f"reset_parameters() (for parameters and persistent buffers) or reset_buffers() "

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 import funcshard as fs
 from funcshard import collectives
+from funcshard.materialize import StillOnMeta
 from funcshard.rng import data_parallel_index, fold_in
 
 LAWS = ("round_trip", "parity", "determinism", "checkpoint", "collectives", "purity", "memory")
@@ -135,8 +136,8 @@ def build(case: Case, config: Config, mesh: fs.Mesh) -> tuple[nn.Module, fs.Shar
         if model is not None:
             try:
                 return _prepared(model), _shard(case, config, model, mesh), "meta"
-            except RuntimeError as e:  # a tensor no reset_parameters() initializes
-                if case.meta or "meta" not in str(e):
+            except StillOnMeta:  # a tensor no reset_parameters() initializes
+                if case.meta:
                     raise
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
