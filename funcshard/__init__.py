@@ -12,6 +12,8 @@ from funcshard.estimate import Estimate as Estimate
 from funcshard.estimate import estimate as estimate
 from funcshard.failfast import fail_fast as fail_fast
 from funcshard.finite import NonFiniteError as NonFiniteError
+from funcshard.gathered_state import GatheredState as GatheredState
+from funcshard.gathered_state import keep_gathered as keep_gathered
 from funcshard.integrity import CheckpointCorrupted as CheckpointCorrupted
 from funcshard.jit import compile as compile
 from funcshard.layout import FlatLayout as FlatLayout
@@ -58,6 +60,7 @@ __all__ = [
     "DonatedError",
     "Estimate",
     "FlatLayout",
+    "GatheredState",
     "Layout",
     "LocalGrads",
     "Mesh",
@@ -82,6 +85,7 @@ __all__ = [
     "full_state_dict",
     "global_norm",
     "grad",
+    "keep_gathered",
     "manual_seed",
     "optim",
     "plan",

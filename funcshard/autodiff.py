@@ -141,6 +141,7 @@ def _sharded_value_and_grad(f, has_aux, state, reduction, prefetch, args, kwargs
         reduction=reduction,
         sinks=sinks,
         prefetch=prefetch,
+        gathered=getattr(state, "gathered", ()),
     )
     with recompute.recording() as ran:
         loss, aux = _split(f(differentiated, *args, **kwargs), has_aux, "value_and_grad")

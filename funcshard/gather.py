@@ -85,16 +85,18 @@ class Differentiated(ShardedState):
     """The state `funcshard.value_and_grad` hands the function it differentiates: the state
     itself, plus how its gathers are transposed (`reduction`: "mean", "shard" or "none"),
     the full-size gradient targets of reduction "none" (`sinks`, None for frozen buffers),
-    and the prefetch orders of its calls."""
+    the prefetch orders of its calls, and the buffers a GatheredState keeps gathered
+    (`gathered`, empty otherwise: see [Note: keeping units gathered])."""
 
     reduction: str = "mean"
     sinks: tuple[Tensor | None, ...] | None = None
     prefetch: Any = True
+    gathered: tuple[Tensor, ...] = ()
 
 
 register_record(
     Differentiated,
-    data_fields=("shards", "replicated", "buffers", "sinks"),
+    data_fields=("shards", "replicated", "buffers", "sinks", "gathered"),
     meta_fields=("layout", "mp", "reshard_after_forward", "offload", "reduction", "prefetch"),
 )
 

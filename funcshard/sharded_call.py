@@ -101,6 +101,9 @@ class _Run:
         )
         n_units = len(binding.unit_names)
         self.full: list[tuple[Tensor | None, ...] | None] = [None] * n_units
+        kept = getattr(state, "gathered", ())  # a GatheredState's: see [Note: keeping units
+        if kept:  # gathered]; its gathers take these as their finished all-gathers
+            self.full = [tuple(kept[i] for i in flats) for flats in binding.unit_flats]
         self.params: list[tuple[Tensor, ...] | None] = [None] * n_units
         self.with_grad = [False] * n_units  # the grad mode `params` were made under
         self.pending: dict[int, tuple[collectives.Pending, ...]] = {}
