@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcshard as fs
-from funcshard import collectives
+from funcshard import collectives, gather
 from funcshard.testing.harness import LAWS
 from funcshard.testing.models import GPT, ConvNet, GPTConfig, Llama, LlamaConfig
 
@@ -224,6 +224,59 @@ def test_gradients_summed_instead_of_averaged_break_parity():
 def test_a_missing_all_reduce_across_replicas_breaks_parity():
     report = _caught(Small, {"parity"}, setup=no_all_reduce_across_replicas)
     assert report.smallest.replicate == 2, report.table()
+
+
+# Planted so that each remaining law is shown failing: memory, checkpoint, determinism.
+_REAL_GATHER = gather.gather
+_REAL_LOAD = fs.checkpoint.load
+_LEAKED: list = []
+_CALLS = [0]
+
+
+def _leaking_gather(*args, **kwargs):
+    views = _REAL_GATHER(*args, **kwargs)
+    _LEAKED.append(views)  # every gathered buffer stays alive: nothing is ever resharded
+    return views
+
+
+@contextlib.contextmanager
+def gathered_buffers_leak():
+    with mock.patch.object(gather, "gather", _leaking_gather):
+        yield
+    _LEAKED.clear()
+
+
+def _nudged_load(*args, **kwargs):
+    state, opt_state, step, extra = _REAL_LOAD(*args, **kwargs)
+    shards = (state.shards[0] + 1e-3, *state.shards[1:])
+    return state.replace(shards=shards), opt_state, step, extra
+
+
+@contextlib.contextmanager
+def load_off_by_a_little():
+    with mock.patch.object(fs.checkpoint, "load", _nudged_load):
+        yield
+
+
+class CountsItsCalls(Small):
+    """Its output depends on how often it ran in this process: not a function of its inputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _CALLS[0] += 1
+        return super().forward(x) + 1e-3 * (_CALLS[0] % 3)
+
+
+def test_gathered_buffers_that_are_never_released_break_memory():
+    report = _caught(Small, {"memory"}, setup=gathered_buffers_leak, laws=("memory",))
+    assert "gathered" in report.failures[0].detail
+
+
+def test_a_checkpoint_that_loads_other_values_breaks_checkpoint():
+    _caught(Small, {"checkpoint"}, setup=load_off_by_a_little, laws=("checkpoint",))
+
+
+def test_a_model_whose_output_depends_on_its_history_breaks_determinism():
+    _caught(CountsItsCalls, {"determinism"}, laws=("determinism",))
 
 
 def test_arguments_that_cannot_reach_the_ranks_are_refused_before_any_rank_starts():
