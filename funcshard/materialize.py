@@ -2,7 +2,10 @@
 
 [Note: initializing from the meta device]
 The rule: modules are initialized in registration order by their own `reset_parameters()`
-(then `reset_buffers()`, if they define one, for buffers such as rotary frequencies), all
+(then `reset_buffers()`, if they define one, for buffers such as rotary frequencies), or by
+`shard(..., init=fn)`'s `fn(module)` instead when the model initializes itself otherwise (a
+transformers model's `_init_weights`: bound to the caller's meta model, it reads only its
+config, so it acts on the working copy's module it is handed), all
 under one seed shared by every rank, and each parameter only by the first module that holds
 it. Every rank replays the whole sequence and keeps only its slice, so the values do not
 depend on the world size. They equal a model built on the CPU after `torch.manual_seed(seed)`
@@ -55,7 +58,12 @@ def local_slice(tensors: list[Tensor], flat: FlatLayout, shard_rank: int) -> Ten
 
 
 def materialize(
-    model: nn.Module, layout: Layout, shard_rank: int, seed: int, device: torch.device
+    model: nn.Module,
+    layout: Layout,
+    shard_rank: int,
+    seed: int,
+    device: torch.device,
+    init: Callable[[nn.Module], None] | None = None,
 ) -> tuple[list[Tensor], dict[str, Tensor], dict[str, Tensor]]:
     """Initialize a meta model per [Note: initializing from the meta device].
 
@@ -88,14 +96,18 @@ def materialize(
         torch.manual_seed(seed)
         seen: set[int] = set()
         for prefix, module in work.named_modules():
-            _init_module(module, prefix, first_fqn, seen, device, on_initialized, uninitialized)
+            _init_module(
+                module, prefix, first_fqn, seen, device, on_initialized, uninitialized, init
+            )
     if uninitialized:
         raise StillOnMeta(
             f"funcshard.shard: these tensors are still on the meta device after initialization: "
             f"{format_names(uninitialized, limit=20)}. Their modules define no "
             f"reset_parameters() (for parameters and persistent buffers) or reset_buffers() "
             f"(for computed buffers such as rotary frequencies) that writes them. Define one, "
-            f"or build the model on a real device."
+            f"pass the model's own initialization as shard(..., init=fn), called with each "
+            f"module (a transformers model: init=model._init_weights), or build the model on "
+            f"a real device."
         )
     replicated = {fqn: values.pop(fqn) for fqn in layout.replicated}
     buffers = {fqn: values.pop(fqn) for fqn, _ in work.named_buffers()}
@@ -128,8 +140,10 @@ def _init_module(
     device: torch.device,
     on_initialized: Callable[[str, Tensor], None],
     uninitialized: list[str],
+    init: Callable[[nn.Module], None] | None = None,
 ) -> None:
-    """Run one module's own init on fresh tensors; report each tensor it first owns."""
+    """Run one module's init on fresh tensors (its own reset methods, or `init(module)`);
+    report each tensor it first owns."""
     slots = [(n, t, True) for n, t in module.named_parameters(recurse=False)]
     slots += [(n, t, False) for n, t in module.named_buffers(recurse=False)]
     slots = [(n, t, is_param) for n, t, is_param in slots if t.is_meta]
@@ -141,10 +155,13 @@ def _init_module(
         obj = nn.Parameter(tensor, meta.requires_grad) if is_param else tensor
         fresh[name] = (obj, obj._version)
         setattr(module, name, obj)
-    for init in ("reset_parameters", "reset_buffers"):
-        if callable(getattr(module, init, None)):
-            with torch.no_grad():
-                getattr(module, init)()
+    with torch.no_grad():
+        if init is not None:
+            init(module)
+        else:
+            for method in ("reset_parameters", "reset_buffers"):
+                if callable(getattr(module, method, None)):
+                    getattr(module, method)()
     for name, meta, _ in slots:
         value = getattr(module, name)
         obj, version = fresh[name]

@@ -8,7 +8,7 @@ of them writes its inputs. See [Note: flat buffers] for the layout they share.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +33,14 @@ def shard(
     reshard_after_forward: bool | int = True,
     offload: bool = False,
     seed: int = 0,
+    init: Callable[[nn.Module], None] | None = None,
 ) -> ShardedState:
     """Shard `model`'s parameters over `mesh` as `plan` groups them; the model is not changed.
 
     A model on the meta device is initialized straight into local shards under `seed` (see
-    [Note: initializing from the meta device]). `reshard_after_forward` is True, False or an
+    [Note: initializing from the meta device]): by each module's `reset_parameters()`, or by
+    `init(module)` for every module when given (a transformers model's
+    `init=model._init_weights`). `reshard_after_forward` is True, False or an
     int k that divides the shard size. `offload=True` keeps shards in CPU memory; on a CPU
     mesh that is where they are anyway.
 
@@ -56,7 +59,9 @@ def shard(
     )
     params = dict(model.named_parameters())
     if any(p.is_meta for p in params.values()) or any(b.is_meta for b in model.buffers()):
-        shards, replicated, buffers = materialize(model, layout, mesh.shard_rank, seed, mesh.device)
+        shards, replicated, buffers = materialize(
+            model, layout, mesh.shard_rank, seed, mesh.device, init
+        )
     else:
         _check_same_values_everywhere(params, layout, mesh)
         shards = [
@@ -226,9 +231,7 @@ def reduce_replicated(
     layout = state.layout
     out: dict[str, Tensor | None] = dict.fromkeys(layout.replicated)
     local = {f: grads.get(f) for f in layout.replicated_trainable}
-    local = {
-        f: torch.zeros_like(state.replicated[f]) if g is None else g for f, g in local.items()
-    }
+    local = {f: torch.zeros_like(state.replicated[f]) if g is None else g for f, g in local.items()}
     if not local or not layout.reduce_replicated:
         return {**out, **local}
     mesh = layout.mesh
