@@ -33,22 +33,29 @@ def shard(
     reshard_after_forward: bool | int = True,
     offload: bool = False,
     seed: int = 0,
-    init: Callable[[nn.Module], None] | None = None,
+    init: Callable[[nn.Module], None] | str | None = None,
 ) -> ShardedState:
     """Shard `model`'s parameters over `mesh` as `plan` groups them; the model is not changed.
 
     A model on the meta device is initialized straight into local shards under `seed` (see
     [Note: initializing from the meta device]): by each module's `reset_parameters()`, or by
     `init(module)` for every module when given (a transformers model's
-    `init=model._init_weights`). `reshard_after_forward` is True, False or an
-    int k that divides the shard size. `offload=True` keeps shards in CPU memory; on a CPU
-    mesh that is where they are anyway.
+    `init=model._init_weights`); `init="skip"` runs no initialization and draws no random
+    numbers: every tensor starts at zero, for a state whose values a checkpoint load gives
+    next (`funcshard.checkpoint.load(path, like=(state, opt_state))`).
+    `reshard_after_forward` is True, False or an int k that divides the shard size.
+    `offload=True` keeps shards in CPU memory; on a CPU mesh that is where they are anyway.
 
     Communicates: one all-gather of a plan fingerprint over the mesh (every rank raises,
     naming the first differing parameter, if the ranks disagree), then a broadcast of each
     buffer from the mesh's first rank.
     """
     _check_reshard_after_forward(reshard_after_forward, mesh)
+    if not (init is None or init == "skip" or callable(init)):
+        raise TypeError(
+            f"funcshard.shard: init must be a function called with each module, 'skip', or "
+            f"None, got {init!r}."
+        )
     if mp is not None and not isinstance(mp, MixedPrecision):
         raise TypeError(f"funcshard.shard: mp must be a MixedPrecision or None, got {mp!r}.")
     _check_same_model_everywhere(model, plan, mesh)
@@ -58,7 +65,10 @@ def shard(
         aliases=tuple(_aliases(model).items()),
     )
     params = dict(model.named_parameters())
-    if any(p.is_meta for p in params.values()) or any(b.is_meta for b in model.buffers()):
+    on_meta = any(p.is_meta for p in params.values()) or any(b.is_meta for b in model.buffers())
+    if on_meta and init == "skip":
+        shards, replicated, buffers = _zeros(model, layout, mesh.device)
+    elif on_meta:
         shards, replicated, buffers = materialize(
             model, layout, mesh.shard_rank, seed, mesh.device, init
         )
@@ -300,6 +310,22 @@ def from_state_dict(
     fed = feed_tied(model, {k: v for k, v in state_dict.items() if k in firsts})
     with reparametrized(model, fed):
         return shard(model, plan, mesh, **options)
+
+
+def _zeros(
+    model: nn.Module, layout: Layout, device: torch.device
+) -> tuple[list[Tensor], dict[str, Tensor], dict[str, Tensor]]:
+    """Shards, replicated parameters and buffers of a meta model, all zero (`init="skip"`)."""
+    params = dict(model.named_parameters())
+    shards = [torch.zeros(f.shard_numel, dtype=f.dtype, device=device) for f in layout.flats]
+    replicated = {
+        f: torch.zeros(params[f].shape, dtype=params[f].dtype, device=device)
+        for f in layout.replicated
+    }
+    buffers = {
+        n: torch.zeros(b.shape, dtype=b.dtype, device=device) for n, b in model.named_buffers()
+    }
+    return shards, replicated, buffers
 
 
 def _aliases(model: nn.Module) -> dict[str, str]:

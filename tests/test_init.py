@@ -62,3 +62,31 @@ def test_a_transformers_model_initializes_from_the_meta_device_with_its_own_init
 def test_without_init_the_error_names_init_as_the_fix():
     (result,) = testing.run(functools.partial(_initialized, 1, False), world_size=1)
     assert "init=model._init_weights" in result["error"]
+
+
+def _save_then_load_into_a_skipped_state(path: str, rank: int) -> dict:
+    from funcshard.testing.models import GPT, Block, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2))
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block}))
+    saved = fs.shard(model, plan, fs.Mesh(shard=2))
+    fs.checkpoint.save(path, saved, step=1)
+    with torch.device("meta"):
+        meta = GPT(GPTConfig(n_layer=2))
+    before = torch.random.get_rng_state()
+    skipped = fs.shard(meta, plan, fs.Mesh(shard=2), init="skip")
+    drew = not torch.equal(before, torch.random.get_rng_state())
+    zero = all(bool(s.eq(0).all()) for s in skipped.shards)
+    loaded, _, step, _ = fs.checkpoint.load(path, like=(skipped, None))
+    same = all(torch.equal(a, b) for a, b in zip(loaded.shards, saved.shards, strict=True))
+    return {"drew": drew, "zero": zero, "same": same, "step": step}
+
+
+def test_init_skip_draws_nothing_and_a_checkpoint_fills_it(tmp_path):
+    """A meta-built state for a checkpoint to fill: zeros, no random numbers drawn, then
+    exactly the saved values."""
+    for result in testing.run(
+        functools.partial(_save_then_load_into_a_skipped_state, str(tmp_path)), world_size=2
+    ):
+        assert result == {"drew": False, "zero": True, "same": True, "step": 1}
