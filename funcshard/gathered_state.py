@@ -41,8 +41,7 @@ class GatheredState(ShardedState):
         ensure_live(self, "GatheredState.replace")
         if "shards" not in changes:
             return dataclasses.replace(self, **changes)
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ShardedState)}
-        return ShardedState(**{**fields, **changes})
+        return ShardedState(**{**_state_fields(self), **changes})
 
 
 register_record(
@@ -62,6 +61,10 @@ def keep_gathered(state: ShardedState) -> GatheredState:
         return state
     specs, _ = gather.specs_and_sinks(state)
     pending = [gather.issue_gather(s, spec) for s, spec in zip(state.shards, specs, strict=True)]
-    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(ShardedState)}
-    fields["reshard_after_forward"] = False
+    fields = {**_state_fields(state), "reshard_after_forward": False}
     return GatheredState(**fields, gathered=tuple(p.wait() for p in pending))
+
+
+def _state_fields(state: ShardedState) -> dict[str, object]:
+    """The fields a plain ShardedState has, taken from `state`."""
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(ShardedState)}

@@ -37,6 +37,7 @@ import contextlib
 import functools
 import inspect
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -596,11 +597,17 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Labels) -> Optimizer:
     state covers every leaf that holds part of its group: on flat shards, where groups share
     a buffer, the moments of k groups take k times the memory."""
     names = list(optimizers)
+    # one mask object per group for the optimizer's life, so each group's per-element mask
+    # is built once per layout (see `Segments.mask`), as are the labels checked
+    wheres = {name: _group_mask(labels, name) for name in names}
+    checked: weakref.WeakSet = weakref.WeakSet()
 
     def group_masks(params: Any) -> dict[str, list[bool | Tensor]]:
         seg = segments(params)
-        _check_labels(seg, labels, names)
-        return {name: seg.mask(_in_group(labels, name)) for name in names}
+        if seg not in checked:
+            _check_labels(seg, labels, names)
+            checked.add(seg)
+        return {name: seg.mask(wheres[name]) for name in names}
 
     def init(params: Any) -> PartitionState:
         return PartitionState(states={name: optimizers[name].init(params) for name in names})
@@ -627,21 +634,11 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Labels) -> Optimizer:
     return Optimizer(init, update)
 
 
-_IN_GROUP: dict[tuple[int, str], Any] = {}
-
-
-def _in_group(labels: Labels, name: str) -> Where:
-    """The mask of one group (the same object each time, so its per-element mask is built
-    once: see `Segments.mask`)."""
-    key = (id(labels), name)
-    cached = _IN_GROUP.get(key)
-    if cached is None or cached[0] is not labels:
-        if isinstance(labels, Mapping):
-            where: Where = {f: label == name for f, label in labels.items()}
-        else:
-            where = lambda fqn, p: labels(fqn, p) == name  # noqa: E731
-        cached = _IN_GROUP[key] = (labels, where)
-    return cached[1]
+def _group_mask(labels: Labels, name: str) -> Where:
+    """The mask of one group: where a parameter's label is `name`."""
+    if isinstance(labels, Mapping):
+        return {f: label == name for f, label in labels.items()}
+    return lambda fqn, p: labels(fqn, p) == name
 
 
 def _check_labels(seg: Any, labels: Labels, names: list[str]) -> None:
