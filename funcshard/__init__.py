@@ -19,6 +19,8 @@ from funcshard.jit import compile as compile
 from funcshard.layout import FlatLayout as FlatLayout
 from funcshard.layout import Layout as Layout
 from funcshard.leaves import tree_map as tree_map
+from funcshard.materialize import skip as skip
+from funcshard.materialize import whole_model as whole_model
 from funcshard.mesh import Mesh as Mesh
 from funcshard.mesh import shutdown as shutdown
 from funcshard.metrics import global_norm as global_norm

@@ -8,7 +8,7 @@ of them writes its inputs. See [Note: flat buffers] for the layout they share.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from funcshard import collectives
 from funcshard.layout import FlatLayout, Layout, layout_of, param_views
-from funcshard.materialize import local_slice, materialize
+from funcshard.materialize import Init, check_init, local_slice, materialize
 from funcshard.mesh import Mesh
 from funcshard.module import feed_tied, reparametrized
 from funcshard.plan import Plan
@@ -33,16 +33,21 @@ def shard(
     reshard_after_forward: bool | int = True,
     offload: bool = False,
     seed: int = 0,
-    init: Callable[[nn.Module], None] | str | None = None,
+    init: Init = None,
 ) -> ShardedState:
     """Shard `model`'s parameters over `mesh` as `plan` groups them; the model is not changed.
 
     A model on the meta device is initialized straight into local shards under `seed` (see
     [Note: initializing from the meta device]): by each module's `reset_parameters()`, or by
     `init(module)` for every module when given (a transformers model's
-    `init=model._init_weights`); `init="skip"` runs no initialization and draws no random
-    numbers: every tensor starts at zero, for a state whose values a checkpoint load gives
-    next (`funcshard.checkpoint.load(path, like=(state, opt_state))`).
+    `init=model._init_weights`), or by one call on the whole model with
+    `init=fs.whole_model(fn, **kwargs)` (torchtitan's `fs.whole_model(model.init_weights)`;
+    it holds the whole model once on each rank while it runs). `init="skip"` (or
+    `fs.skip(fn)`) draws no random numbers: parameters and persistent buffers start at zero,
+    for a state whose values a checkpoint load gives next (`funcshard.checkpoint.load(path,
+    like=(state, opt_state))`, `funcshard.checkpoint.load_hf`), while non-persistent buffers,
+    which no checkpoint holds, are computed by `reset_buffers()` or by `fn` (a transformers
+    model: `init=fs.skip(model._init_weights)`).
     `reshard_after_forward` is True, False or an int k that divides the shard size.
     `offload=True` keeps shards in CPU memory; on a CPU mesh that is where they are anyway.
 
@@ -51,11 +56,7 @@ def shard(
     buffer from the mesh's first rank.
     """
     _check_reshard_after_forward(reshard_after_forward, mesh)
-    if not (init is None or init == "skip" or callable(init)):
-        raise TypeError(
-            f"funcshard.shard: init must be a function called with each module, 'skip', or "
-            f"None, got {init!r}."
-        )
+    init = check_init(init)
     if mp is not None and not isinstance(mp, MixedPrecision):
         raise TypeError(f"funcshard.shard: mp must be a MixedPrecision or None, got {mp!r}.")
     _check_same_model_everywhere(model, plan, mesh)
@@ -66,9 +67,7 @@ def shard(
     )
     params = dict(model.named_parameters())
     on_meta = any(p.is_meta for p in params.values()) or any(b.is_meta for b in model.buffers())
-    if on_meta and init == "skip":
-        shards, replicated, buffers = _zeros(model, layout, mesh.device)
-    elif on_meta:
+    if on_meta:
         shards, replicated, buffers = materialize(
             model, layout, mesh.shard_rank, seed, mesh.device, init
         )
@@ -310,22 +309,6 @@ def from_state_dict(
     fed = feed_tied(model, {k: v for k, v in state_dict.items() if k in firsts})
     with reparametrized(model, fed):
         return shard(model, plan, mesh, **options)
-
-
-def _zeros(
-    model: nn.Module, layout: Layout, device: torch.device
-) -> tuple[list[Tensor], dict[str, Tensor], dict[str, Tensor]]:
-    """Shards, replicated parameters and buffers of a meta model, all zero (`init="skip"`)."""
-    params = dict(model.named_parameters())
-    shards = [torch.zeros(f.shard_numel, dtype=f.dtype, device=device) for f in layout.flats]
-    replicated = {
-        f: torch.zeros(params[f].shape, dtype=params[f].dtype, device=device)
-        for f in layout.replicated
-    }
-    buffers = {
-        n: torch.zeros(b.shape, dtype=b.dtype, device=device) for n, b in model.named_buffers()
-    }
-    return shards, replicated, buffers
 
 
 def _aliases(model: nn.Module) -> dict[str, str]:
