@@ -2,6 +2,8 @@
 
 import functools
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -187,3 +189,31 @@ def test_a_rank_that_raises_is_reported_within_seconds_while_another_waits_for_i
     after = testing.run(_pid, world_size=2)
     assert set(after).isdisjoint(before)  # a fresh pool
     assert testing.run(_sum_of_ranks, world_size=2) == [(0, 3.0), (1, 3.0)]
+
+
+_UNGUARDED_SCRIPT = """
+import funcshard as fs
+
+def ident(rank):
+    return rank
+
+print(fs.testing.run(ident, world_size=2))
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_so(tmp_path):
+    """Workers re-run the main script to start; one that calls testing.run unguarded, or is
+    read from stdin, gets that diagnosis, not a collective-abort guess."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    from_file = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert from_file.returncode != 0
+    assert "could not start" in from_file.stderr
+    assert 'if __name__ == "__main__":' in from_file.stderr.splitlines()[-1]
+    from_stdin = subprocess.run(
+        [sys.executable, "-"], input=_UNGUARDED_SCRIPT, capture_output=True, text=True,
+        timeout=120, cwd=tmp_path,
+    )
+    assert "'<stdin>', not a file" in from_stdin.stderr.splitlines()[-1]

@@ -77,6 +77,7 @@ def run(
     """
     if world_size < 1:
         raise ValueError(f"testing.run: world_size must be at least 1, got {world_size}.")
+    _check_main_can_be_rerun()
     timeout = _within_test_deadline(timeout)
     if fresh:
         pool = WorkerPool(world_size, backend)
@@ -262,6 +263,11 @@ class WorkerPool:
         self._procs[rank].join(1.0)
         code = self._procs[rank].exitcode
         self.close(kill=True)
+        if code == UNGUARDED_EXIT:
+            return RankDied(
+                f"testing.run({name}, world_size={self.world_size}): rank {rank} could not "
+                f"start: {_UNGUARDED}"
+            )
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         finished = sorted(replies)
         error = RankDied(
@@ -443,6 +449,30 @@ def _rank_exception(
 # What WorkerPool.quit sends a worker instead of a task (a pickled task starts with b"\x80").
 _QUIT = b"quit"
 QUIT_GRACE = 5.0  # seconds an idle worker gets to exit normally; a busy one is then killed
+
+
+UNGUARDED_EXIT = 71  # a worker found the script calling testing.run while it re-ran it
+_UNGUARDED = (
+    "worker processes start by re-running your main script, and it calls "
+    "funcshard.testing.run at import time. Put the calls that start ranks under "
+    "`if __name__ == \"__main__\":`, as multiprocessing requires."
+)
+
+
+def _check_main_can_be_rerun() -> None:
+    """Refuse what would kill every worker as it starts: a main script it cannot re-run
+    (read from stdin), or this very call made while a worker re-runs the script."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        sys.stderr.write(f"funcshard.testing.run: {_UNGUARDED}\n")
+        sys.stderr.flush()
+        os._exit(UNGUARDED_EXIT)
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file is not None and not os.path.isfile(main_file):
+        raise RuntimeError(
+            f"funcshard.testing.run: the main script is {main_file!r}, not a file, and worker "
+            f"processes start by re-running it. Save it to a file and run that, with the calls "
+            f"that start ranks under `if __name__ == \"__main__\":`."
+        )
 
 
 def _worker_main(
