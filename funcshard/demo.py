@@ -161,7 +161,11 @@ def train_rank(cfg: DemoConfig, rank: int) -> dict:
         elapsed = time.perf_counter() - started
         if bar is not None:
             bar.close()
-    sample = fs.call(model, state, torch.tensor([list(b"def ")]), 120, method="generate")
+    prompt = torch.tensor([list(b"def ")])
+    every_rank_alike = torch.Generator().manual_seed(cfg.seed)  # greedy decoding loops
+    sample = fs.call(
+        model, state, prompt, 120, temperature=0.8, generator=every_rank_alike, method="generate"
+    )
     return {
         "losses": losses,
         "start_step": start_step,

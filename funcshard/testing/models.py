@@ -98,11 +98,23 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x)) * self.cfg.d_model**-0.5  # (B, T, vocab)
 
     @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int) -> Tensor:
-        """Extend `idx` greedily by `max_new_tokens` tokens (deterministic, for tests)."""
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Extend `idx` by `max_new_tokens` tokens: greedily at temperature 0 (deterministic,
+        for tests), else sampled from softmax(logits / temperature) with `generator`."""
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.cfg.block_size :])
-            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            logits = self(idx[:, -self.cfg.block_size :])[:, -1]
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                token = torch.multinomial(probs, 1, generator=generator)
+            else:
+                token = logits.argmax(-1, keepdim=True)
+            idx = torch.cat([idx, token], dim=1)
         return idx
 
 
