@@ -270,3 +270,29 @@ def test_skip_computes_the_buffers_no_checkpoint_holds_and_refuses_to_leave_them
     for result in testing.run(functools.partial(_skipped_llama, False), world_size=2):
         assert "model.rotary_emb.inv_freq" in result["error"]
         assert "fs.skip(model._init_weights)" in result["error"]
+
+
+def _peak_while_initializing(rank: int) -> dict:
+    from funcshard.testing.memory import LiveTensors
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2,
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    plan = fs.plan(model, policy=fs.policy.module_classes({type(model.model.layers[0])}))
+    with LiveTensors() as meter:
+        state = fs.shard(model, plan, fs.Mesh(shard=2), init=model._init_weights)
+    return {
+        "peak": meter.peak,
+        "shards": sum(s.numel() * s.element_size() for s in state.shards),
+        "unit": max(f.numel * f.dtype.itemsize for f in state.layout.flats),
+    }
+
+
+def test_a_per_module_init_holds_one_unit_beside_the_shards():
+    """Each tensor is real only from its first writer to its last (found by the rehearsal),
+    so a block's tensors are sliced and dropped before the next block's are made."""
+    for result in testing.run(_peak_while_initializing, world_size=2):
+        assert result["peak"] <= result["shards"] + 1.1 * result["unit"], result
