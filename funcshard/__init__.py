@@ -8,6 +8,9 @@ from funcshard.autodiff import accumulate as accumulate
 from funcshard.autodiff import grad as grad
 from funcshard.autodiff import value_and_grad as value_and_grad
 from funcshard.collectives import CollectiveError as CollectiveError
+from funcshard.comm import Comm as Comm
+from funcshard.comm import MeshAxis as MeshAxis
+from funcshard.comm import carry_zeros as carry_zeros
 from funcshard.estimate import Estimate as Estimate
 from funcshard.estimate import estimate as estimate
 from funcshard.failfast import fail_fast as fail_fast
@@ -59,6 +62,7 @@ __all__ = [
     "Bucket",
     "CheckpointCorrupted",
     "CollectiveError",
+    "Comm",
     "DonatedError",
     "Estimate",
     "FlatLayout",
@@ -66,6 +70,7 @@ __all__ = [
     "Layout",
     "LocalGrads",
     "Mesh",
+    "MeshAxis",
     "MixedPrecision",
     "NonFiniteError",
     "Plan",
@@ -77,6 +82,7 @@ __all__ = [
     "accumulate",
     "apply_updates",
     "call",
+    "carry_zeros",
     "checkpoint",
     "compile",
     "estimate",

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from funcshard import finite, gather, recompute
+from funcshard.comm import Comm, check_carry
 from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
 from funcshard.sharded_call import Prefetch
@@ -32,7 +33,9 @@ def value_and_grad(
     all_reduce: bool = True,
     prefetch: bool | Prefetch = True,
     check_finite: bool = False,
-) -> Callable[..., tuple[Any, Any]]:
+    comm: Comm | None = None,
+    carry: Any = None,
+) -> Callable[..., tuple[Any, ...]]:
     """Return a function computing `f(params, *args)` and its gradient w.r.t. `params`.
 
     `params` is a ShardedState (grads come back as ShardedGrads, reduced to this rank's shard
@@ -43,6 +46,10 @@ def value_and_grad(
     `funcshard.Prefetch` with explicit unit orders. With `has_aux`, `f` returns `(loss, aux)`.
     `check_finite=True` raises `funcshard.finite.NonFiniteError` on every rank together when
     any rank's loss or gradients hold NaN or inf (one more all-gather of one flag per buffer).
+    `comm` (a `funcshard.Comm`) gives the gather and the reduce of every sharded call in `f`
+    that names none itself; `carry` is its reduce's state, one entry per flat buffer
+    (`funcshard.carry_zeros(state)` to start), and then the result is `(value, grads,
+    new_carry)` (see [Note: communication as user functions]).
     Communicates (sharded): per unit one all-gather in forward, one more in backward when
     resharded after forward, and one reduce-scatter; one all-reduce per unit on HSDP meshes.
     """
@@ -52,20 +59,40 @@ def value_and_grad(
             f"forward, the one that ran before in backward), False, or funcshard.Prefetch(...) "
             f"with explicit orders; got {type(prefetch).__name__}."
         )
+    if comm is not None and not isinstance(comm, Comm):
+        raise TypeError(
+            f"funcshard.value_and_grad: comm must be a funcshard.Comm(gather=..., "
+            f"reduce=...), got {type(comm).__name__}."
+        )
+    if carry is not None and (comm is None or comm.reduce is None or not reduce):
+        why = "reduce=False leaves the reduce to funcshard.reduce" if comm else "no comm"
+        raise ValueError(
+            f"funcshard.value_and_grad: carry is the state of a Comm's reduce, but {why}. "
+            f"Pass comm=funcshard.Comm(reduce=...) with reduce=True, or pass the carry to "
+            f"funcshard.reduce(state, grads, comm=..., carry=...)."
+        )
 
     @functools.wraps(f, updated=())  # (merging f.__dict__ is untraceable for a partial)
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         if isinstance(params, ShardedState):
             reduction = "none" if not reduce else "mean" if all_reduce else "shard"
+            if carry is not None:
+                checked = check_carry(carry, params, "value_and_grad")
+                value, grads, new_carry = _carried_value_and_grad(
+                    f, has_aux, params, all_reduce, prefetch, comm, checked, args, kwargs
+                )
+                if check_finite:
+                    finite.check(value[0] if has_aux else value, grads)
+                return value, grads, new_carry
             value, grads = _sharded_value_and_grad(
-                f, has_aux, params, reduction, prefetch, args, kwargs
+                f, has_aux, params, reduction, prefetch, args, kwargs, comm
             )
-        elif isinstance(params, Mapping):
+        elif isinstance(params, Mapping) and carry is None:
             value, grads = _dict_value_and_grad(f, has_aux, params, args, kwargs)
         else:
             raise TypeError(
                 f"funcshard.value_and_grad: the first argument must be a ShardedState or a "
-                f"dict of tensors, got {type(params).__name__}."
+                f"dict of tensors (a ShardedState with carry=), got {type(params).__name__}."
             )
         if check_finite:
             finite.check(value[0] if has_aux else value, grads)
@@ -75,13 +102,15 @@ def value_and_grad(
 
 
 def grad(f: Callable[..., Any], has_aux: bool = False, **options: Any) -> Callable[..., Any]:
-    """Like `value_and_grad`, returning only the gradient (and aux, with `has_aux`)."""
+    """Like `value_and_grad`, returning only the gradient (and aux, with `has_aux`; and then
+    the new carry, with `carry=`)."""
     inner = value_and_grad(f, has_aux=has_aux, **options)
 
     @functools.wraps(f, updated=())
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> Any:
-        value, grads = inner(params, *args, **kwargs)
-        return (grads, value[1]) if has_aux else grads
+        value, grads, *carried = inner(params, *args, **kwargs)
+        out = (grads, value[1]) if has_aux else grads
+        return (out, *carried) if carried else out
 
     return wrapped
 
@@ -107,7 +136,32 @@ def _value(loss: Tensor, aux: Any, has_aux: bool) -> Any:
     )
 
 
-def _sharded_value_and_grad(f, has_aux, state, reduction, prefetch, args, kwargs):
+def _carried_value_and_grad(f, has_aux, state, all_reduce, prefetch, comm, carry, args, kwargs):
+    """value_and_grad with a reduce that carries state: backward leaves each buffer's whole
+    gradient in its sink, then the reduce runs once per buffer (see [Note: communication as
+    user functions]: a stateful reduce must see all of a buffer's gradient at once)."""
+    value, (fulls, local_replicated) = _sharded_value_and_grad(
+        f, has_aux, state, "none", prefetch, args, kwargs, comm, keep_flat=True
+    )
+    specs, _ = gather.specs_and_sinks(state, comm)
+    shards, new_carry = [], []
+    for spec, c, full in zip(specs, carry, fulls, strict=True):
+        if full is None:
+            shards.append(None)
+            new_carry.append(c)
+            continue
+        grad, c = gather.reduce_whole(full, spec, c, all_reduce)
+        shards.append(grad.to(spec.flat.dtype))
+        new_carry.append(c)
+    layout = state.layout
+    replicated = reduce_replicated(state, local_replicated, all_reduce=all_reduce)
+    grads = ShardedGrads(shards=tuple(shards), layout=layout, replicated=replicated)
+    return value, grads, tuple(new_carry)
+
+
+def _sharded_value_and_grad(
+    f, has_aux, state, reduction, prefetch, args, kwargs, comm=None, keep_flat=False
+):
     layout = state.layout
     mesh = layout.mesh
     shards = tuple(
@@ -142,6 +196,7 @@ def _sharded_value_and_grad(f, has_aux, state, reduction, prefetch, args, kwargs
         sinks=sinks,
         prefetch=prefetch,
         gathered=getattr(state, "gathered", ()),
+        comm=comm,
     )
     with recompute.recording() as ran:
         loss, aux = _split(f(differentiated, *args, **kwargs), has_aux, "value_and_grad")
@@ -185,6 +240,8 @@ def _sharded_value_and_grad(f, has_aux, state, reduction, prefetch, args, kwargs
         return _value(loss, aux, has_aux), ShardedGrads(
             shards=reduced, layout=layout, replicated=replicated_grads
         )
+    if keep_flat:  # the full flat gradients themselves, for a reduce that follows
+        return _value(loss, aux, has_aux), (grads, local_replicated)
     local: dict[str, Tensor | None] = {}
     for g, flat in zip(grads, layout.flats, strict=True):
         if g is None:

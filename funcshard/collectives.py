@@ -73,7 +73,7 @@ def bytes_sent(records: list[Record]) -> int:
         size, item = len(r.ranks), r.dtype.itemsize
         if r.op == "all_gather":
             sent += (size - 1) * r.numel * item
-        elif r.op == "reduce_scatter":
+        elif r.op in ("reduce_scatter", "all_to_all"):
             sent += (size - 1) * (r.numel // size) * item
         else:
             sent += 2 * (size - 1) * r.numel * item // size
@@ -224,6 +224,26 @@ def all_reduce(
     return Pending(out, op="all_reduce", group=group, what=what)
 
 
+def all_to_all(tensor: Tensor, group: ProcessGroup, what: str | None = None) -> Pending:
+    """Split `tensor` along dim 0 into group-size equal chunks; chunk j goes to rank j, and
+    the result holds every rank's chunk for this rank, in rank order (same shape)."""
+    if group.size() == 1:
+        return Pending(tensor, done=True)
+    _before("all_to_all", group, tensor, what)
+    splits = [tensor.shape[0] // group.size()] * group.size()
+    with _below_autograd():
+        out = _ops.all_to_all_single(tensor, splits, splits, group.group_name)
+    return Pending(out, op="all_to_all", group=group, what=what)
+
+
+def all_to_alled(tensor: Tensor, group: ProcessGroup) -> Tensor:
+    """`all_to_all(...).wait()` as plain graph nodes (see `gathered`)."""
+    if group.size() == 1:
+        return tensor
+    splits = [tensor.shape[0] // group.size()] * group.size()
+    return _ops.wait_tensor(_ops.all_to_all_single(tensor, splits, splits, group.group_name))
+
+
 def gathered(shard: Tensor, group: ProcessGroup) -> Tensor:
     """`all_gather(...).wait()` as plain graph nodes, for steps dynamo traces
     (funcshard/compiled.py): no record, no cross-rank check, no error wrapping."""
@@ -344,7 +364,7 @@ def _failure_key() -> str:
 
 
 _checked_groups: set[str] = set()
-_OP_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3}
+_OP_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "all_to_all": 4}
 
 
 def check_group(group: ProcessGroup) -> None:

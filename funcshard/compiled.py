@@ -33,13 +33,14 @@ from typing import Any
 from torch import Tensor, nn
 
 from funcshard import gather, precision
+from funcshard.comm import Comm
 from funcshard.module import call as call_on_dict
 from funcshard.state import ShardedState
 
 
-def full_params(state: ShardedState) -> dict[str, Tensor]:
+def full_params(state: ShardedState, comm: Comm | None = None) -> dict[str, Tensor]:
     """Every parameter of the state, gathered differentiably, by FQN (with the replicated)."""
-    specs, sinks = gather.specs_and_sinks(state)
+    specs, sinks = gather.specs_and_sinks(state, comm)
     params: dict[str, Tensor] = dict(state.replicated)
     for shard, spec, sink in zip(state.shards, specs, sinks, strict=True):
         params.update(zip(spec.flat.fqns, gather.gather(shard, spec, sink=sink), strict=True))
@@ -54,12 +55,13 @@ def call(
     buffers: Mapping[str, Tensor] | None,
     mutable: bool,
     method: str,
+    comm: Comm | None = None,
 ) -> Any:
     """`funcshard.call` on a sharded state while dynamo traces (see the note above)."""
     args, kwargs = precision.cast_inputs(state.mp, args, kwargs)
     out, new_buffers = call_on_dict(
         model,
-        full_params(state),
+        full_params(state, comm),
         *args,
         buffers=state.buffers if buffers is None else buffers,
         mutable=True,

@@ -40,6 +40,11 @@ across replicas starts then, and its wait node waits for it. A wait node fed by 
 both reduce synchronously. Second-order, batched and traced backwards reduce synchronously
 through differentiable ops.
 
+A user's gather and reduce (`funcshard.Comm`, see [Note: communication as user functions] in
+funcshard/comm.py) take the place of the all-gather and the reduce-scatter in this same op:
+the spec carries them, `issue_gather` calls the gather (synchronously: no prefetch) and the
+reduce runs synchronously in backward (no overlap); without them every path is unchanged.
+
 `reduction` says what the backward does: "mean" (the default), "shard" (HSDP without the
 all-reduce across replicas) or "none": the unreduced full gradient goes to `sink`, a
 full-size gradient target (`value_and_grad(reduce=False)`), and the shard gets none.
@@ -54,6 +59,7 @@ import torch
 from torch import Tensor
 
 from funcshard import chaos, collectives
+from funcshard.comm import Comm, MeshAxis
 from funcshard.layout import FlatLayout, frozen_ranges, param_views
 from funcshard.mesh import Mesh
 from funcshard.precision import MixedPrecision, gather_dtype, reduce_dtype
@@ -70,6 +76,15 @@ class GatherSpec:
     mesh: Mesh
     mp: MixedPrecision | None
     reduction: str = "mean"  # "mean" | "shard" | "none"
+    comm: Comm | None = None  # the user's gather and reduce, if any
+
+    @property
+    def user_gather(self) -> bool:
+        return self.comm is not None and self.comm.gather is not None and self.mesh.shard > 1
+
+    @property
+    def user_reduce(self) -> bool:
+        return self.comm is not None and self.comm.reduce is not None and self.mesh.shard > 1
 
     @property
     def across_replicas(self) -> bool:
@@ -85,38 +100,57 @@ class Differentiated(ShardedState):
     """The state `funcshard.value_and_grad` hands the function it differentiates: the state
     itself, plus how its gathers are transposed (`reduction`: "mean", "shard" or "none"),
     the full-size gradient targets of reduction "none" (`sinks`, None for frozen buffers),
-    the prefetch orders of its calls, and the buffers a GatheredState keeps gathered
-    (`gathered`, empty otherwise: see [Note: keeping units gathered])."""
+    the prefetch orders of its calls, the buffers a GatheredState keeps gathered
+    (`gathered`, empty otherwise: see [Note: keeping units gathered]), and the user
+    communication its calls default to (`comm`, a `funcshard.Comm` of value_and_grad's
+    arguments: the caller's state never holds it)."""
 
     reduction: str = "mean"
     sinks: tuple[Tensor | None, ...] | None = None
     prefetch: Any = True
     gathered: tuple[Tensor, ...] = ()
+    comm: Comm | None = None
 
 
 register_record(
     Differentiated,
     data_fields=("shards", "replicated", "buffers", "sinks", "gathered"),
-    meta_fields=("layout", "mp", "reshard_after_forward", "offload", "reduction", "prefetch"),
+    meta_fields=(
+        "layout",
+        "mp",
+        "reshard_after_forward",
+        "offload",
+        "reduction",
+        "prefetch",
+        "comm",
+    ),
 )
 
 
 def specs_and_sinks(
-    state: ShardedState,
+    state: ShardedState, comm: Comm | None = None
 ) -> tuple[tuple[GatherSpec, ...], tuple[Tensor | None, ...]]:
     """How each flat buffer of `state` is gathered, and its gradient sink (None but under
-    `value_and_grad(reduce=False)`): what the eager and the traced call both need."""
+    `value_and_grad(reduce=False)`): what the eager and the traced call both need. `comm`
+    is the call's own; without it, value_and_grad's (if any)."""
     differentiated = isinstance(state, Differentiated)
     reduction = state.reduction if differentiated else "mean"
+    if comm is None and differentiated:
+        comm = state.comm
+    if comm is not None and not isinstance(comm, Comm):
+        raise TypeError(f"funcshard.call: comm must be a funcshard.Comm, got {comm!r}.")
     layout = state.layout
-    specs = tuple(GatherSpec(flat, layout.mesh, state.mp, reduction) for flat in layout.flats)
+    specs = tuple(GatherSpec(flat, layout.mesh, state.mp, reduction, comm) for flat in layout.flats)
     sinks = state.sinks if differentiated and state.sinks is not None else None
     return specs, sinks if sinks is not None else (None,) * len(specs)
 
 
 def issue_gather(shard: Tensor, spec: GatherSpec) -> collectives.Pending:
     """Start the all-gather of one buffer (cast to the gather dtype, on the mesh's device),
-    outside autograd: a prefetch whose result `gather` takes as its `source`."""
+    outside autograd: a prefetch whose result `gather` takes as its `source`. A user's
+    gather runs now, to its end."""
+    if spec.user_gather:
+        return collectives.Pending(user_gather(shard.detach(), spec), done=True)
     data = shard.detach().to(spec.mesh.device, gather_dtype(spec.mp, spec.flat))
     return collectives.all_gather(data, spec.mesh.shard_group, what=spec.flat.unit)
 
@@ -198,7 +232,7 @@ class _Gather(torch.autograd.Function):
         full = _concat(grads, spec)
         if spec.reduction == "none":
             return None, _prepared(full, spec), None, None, None
-        if ctx.deferred is not None and _may_defer(ctx.deferred):
+        if ctx.deferred is not None and not spec.user_reduce and _may_defer(ctx.deferred):
             return _THROTTLE.issue(_prepared(full, spec), spec), None, None, None, None
         return reduce(full, spec).to(ctx.shard_dtype), None, None, None, None
 
@@ -222,7 +256,28 @@ def _may_defer(deferred: Deferred) -> bool:
     )
 
 
+def user_gather(shard: Tensor, spec: GatherSpec) -> Tensor:
+    """The user's gather of one buffer (see [Note: communication as user functions]), its
+    result checked and cast to the gather dtype."""
+    assert spec.comm is not None and spec.comm.gather is not None
+    full = spec.comm.gather(shard.to(spec.mesh.device), MeshAxis(spec.mesh, "shard"))
+    _check_user_result(full, spec.flat.padded_numel, spec, "gather")
+    return full.reshape(-1).to(spec.gather_dtype)
+
+
+def _check_user_result(out: object, numel: int, spec: GatherSpec, which: str) -> None:
+    if not isinstance(out, Tensor) or out.numel() != numel:
+        got = f"{tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(
+            f"funcshard.Comm: the {which} of unit {spec.flat.unit!r} must return a tensor of "
+            f"{numel} elements (the flat buffer's {'whole' if which == 'gather' else 'shard'}"
+            f"), got {got}."
+        )
+
+
 def _all_gather(shard: Tensor, spec: GatherSpec) -> Tensor:
+    if spec.user_gather:
+        return user_gather(shard, spec)
     if torch.compiler.is_dynamo_compiling():
         data = shard.to(spec.mesh.device, spec.gather_dtype)
         return collectives.gathered(data, spec.mesh.shard_group)
@@ -281,7 +336,10 @@ class _ReduceFlat(torch.autograd.Function):
     @staticmethod
     def forward(grad: Tensor, spec: GatherSpec) -> Tensor:
         mesh = spec.mesh
-        grad = collectives.reduced_scattered(grad, mesh.shard_group, "avg")
+        if spec.user_reduce:
+            grad = user_reduce(grad, spec)
+        else:
+            grad = collectives.reduced_scattered(grad, mesh.shard_group, "avg")
         if spec.across_replicas:
             grad = collectives.all_reduced(grad, mesh.replicate_group, "avg")
         return grad
@@ -293,6 +351,53 @@ class _ReduceFlat(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         return _GatherFlat.apply(grad, ctx.spec), None
+
+
+def user_reduce(grad: Tensor, spec: GatherSpec, carry: Any = None) -> Any:
+    """The user's reduce of one buffer's full gradient over the shard axis (see [Note:
+    communication as user functions]): this rank's chunk of the mean, in `grad`'s dtype;
+    with a carry, `(chunk, new carry)`."""
+    assert spec.comm is not None and spec.comm.reduce is not None
+    axis = MeshAxis(spec.mesh, "shard")
+    if carry is None:
+        out, new_carry = spec.comm.reduce(grad, axis), None
+    else:
+        out = spec.comm.reduce(grad, axis, carry)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(
+                f"funcshard.Comm: a reduce given a carry must return (shard, carry), got "
+                f"{type(out).__name__} for unit {spec.flat.unit!r}."
+            )
+        out, new_carry = out
+    _check_user_result(out, spec.flat.shard_numel, spec, "reduce")
+    out = out.reshape(-1).to(grad.dtype)
+    return out if carry is None else (out, new_carry)
+
+
+def reduce_whole(
+    full: Tensor, spec: GatherSpec, carry: Any = None, all_reduce: bool = True, op: str = "avg"
+) -> tuple[Tensor, Any]:
+    """One buffer's full gradient (prepared: reduce dtype, frozen members zeroed) to this
+    rank's shard of its reduction by `op` over the mesh, outside autograd: the user's reduce
+    over the shard axis when there is one (with its carry), then across replicas unless not
+    `all_reduce`. Returns `(shard, carry)`; the carry as given when no user reduce ran.
+
+    Communicates: the user's reduce or one reduce-scatter over the shard axis; one
+    all-reduce over the replicate axis (HSDP, DDP)."""
+    mesh = spec.mesh
+    shard_axis = MeshAxis(mesh, "shard")
+    if spec.user_reduce:
+        if carry is None:
+            grad = user_reduce(full, spec)
+        else:
+            grad, carry = user_reduce(full, spec, carry)
+        if op == "sum":
+            grad = grad * mesh.shard_size
+    else:
+        grad = shard_axis.reduce_scatter(full, op)
+    if all_reduce and mesh.replicate_size > 1:
+        grad = MeshAxis(mesh, "replicate").all_reduce(grad, op)
+    return grad, carry
 
 
 class _GatherFlat(torch.autograd.Function):

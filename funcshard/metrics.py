@@ -2,8 +2,12 @@
 over a mesh's ranks, and the global gradient norm.
 
 A rank's loss is the loss of its own batch; what a log should show is the mean over every
-data-parallel rank. `pmean(tree, mesh)` is that, for every tensor of a pytree in one
-collective (the leaves are packed into one float64 buffer and unpacked in their dtypes).
+data-parallel rank. `pmean(tree, mesh)` is that, for every tensor of a pytree (numbers and
+integer tensors are packed into one float64 buffer, floating-point tensors into one buffer
+per dtype, each reduced in one collective and unpacked in their dtypes). `axis=` reduces
+over one mesh axis only: `pmean(delta, mesh, axis="replicate")` averages what the replicas
+of each shard hold (a parameter delta in local SGD / DiLoCo, see examples/diloco.py), and
+works on ShardedState and ShardedGrads as on any pytree of tensors.
 """
 
 from __future__ import annotations
@@ -20,16 +24,20 @@ from funcshard.mesh import Mesh
 from funcshard.state import ShardedGrads, ensure_live
 
 
-def psum(tree: Any, mesh: Mesh) -> Any:
-    """Each tensor (or number) of `tree` summed over every rank of `mesh`, the same result on
-    every rank, as tensors. Communicates: one all-reduce over the mesh."""
-    return _reduced(tree, mesh, mean=False)
+def psum(tree: Any, mesh: Mesh, axis: str | None = None) -> Any:
+    """Each tensor (or number) of `tree` summed over every rank of `mesh` (or of one mesh
+    `axis`, "shard" or "replicate"), the same result on each of those ranks, as tensors.
+    Communicates: one all-reduce over the mesh (or axis) per floating dtype, one more for
+    numbers and integers."""
+    return _reduced(tree, mesh, mean=False, axis=axis)
 
 
-def pmean(tree: Any, mesh: Mesh) -> Any:
-    """Each tensor (or number) of `tree` averaged over every rank of `mesh`, the same result
-    on every rank, as tensors. Communicates: one all-reduce over the mesh."""
-    return _reduced(tree, mesh, mean=True)
+def pmean(tree: Any, mesh: Mesh, axis: str | None = None) -> Any:
+    """Each tensor (or number) of `tree` averaged over every rank of `mesh` (or of one mesh
+    `axis`, "shard" or "replicate"), the same result on each of those ranks, as tensors.
+    Communicates: one all-reduce over the mesh (or axis) per floating dtype, one more for
+    numbers and integers."""
+    return _reduced(tree, mesh, mean=True, axis=axis)
 
 
 def global_norm(grads: ShardedGrads | Mapping[str, Tensor | None]) -> Tensor:
@@ -58,24 +66,40 @@ def _sum_of_squares(grads: Iterable[Tensor | None], device: torch.device | None)
     return torch.stack([g.float().square().sum() for g in present]).sum()
 
 
-def _reduced(tree: Any, mesh: Mesh, mean: bool) -> Any:
+def _reduced(tree: Any, mesh: Mesh, mean: bool, axis: str | None) -> Any:
+    where = f"funcshard.{'pmean' if mean else 'psum'}"
+    if axis not in (None, "shard", "replicate"):
+        raise ValueError(f"{where}: axis must be None, 'shard' or 'replicate', got {axis!r}.")
     leaves, spec = optree.tree_flatten(tree)
     if not all(isinstance(x, Tensor | int | float | bool) for x in leaves):
         bad = next(type(x).__name__ for x in leaves if not isinstance(x, Tensor | int | float))
         raise TypeError(
-            f"funcshard.{'pmean' if mean else 'psum'}: leaves must be tensors or numbers, got "
-            f"a {bad}. Pass the metrics as tensors (e.g. loss.detach())."
+            f"{where}: leaves must be tensors or numbers, got a {bad}. Pass the metrics as "
+            f"tensors (e.g. loss.detach())."
         )
     tensors = [torch.as_tensor(x, device=mesh.device) for x in leaves]
     if not tensors:
         return tree
-    packed = torch.cat([t.detach().to(mesh.device, torch.float64).reshape(-1) for t in tensors])
-    total = collectives.all_reduce(packed, mesh.group, "sum", what="<metrics>").wait()
-    if mean:
-        total = total / mesh.size
-    out, at = [], 0
-    for t in tensors:
-        piece = total[at : at + t.numel()].reshape(t.shape)
-        at += t.numel()
-        out.append(piece.to(t.dtype if t.is_floating_point() else torch.float64))
+    group, size = {
+        None: (mesh.group, mesh.size),
+        "shard": (mesh.shard_group, mesh.shard_size),
+        "replicate": (mesh.replicate_group, mesh.replicate_size),
+    }[axis]
+    # one buffer per floating dtype, reduced in it; numbers and integers in float64
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype if t.is_floating_point() else torch.float64, []).append(i)
+    out: list[Tensor | None] = [None] * len(tensors)
+    for dtype, indices in by_dtype.items():
+        packed = torch.cat(
+            [tensors[i].detach().to(mesh.device, dtype).reshape(-1) for i in indices]
+        )
+        total = collectives.all_reduce(packed, group, "sum", what="<metrics>").wait()
+        if mean:
+            total = total / size
+        at = 0
+        for i in indices:
+            t = tensors[i]
+            out[i] = total[at : at + t.numel()].reshape(t.shape)
+            at += t.numel()
     return optree.tree_unflatten(spec, out)

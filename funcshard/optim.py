@@ -687,6 +687,30 @@ def skip_nonfinite(optimizer: Optimizer) -> Optimizer:
     return Optimizer(init, update, fused_step)
 
 
+def difference(a: Any, b: Any) -> Any:
+    """`a - b` leaf by leaf, as gradients of these params: ShardedGrads of two states (None
+    for frozen leaves, which never move), a dict of two dicts. Local SGD's and DiLoCo's
+    outer gradient is `difference(anchor, state)`, the parameters' move since the last outer
+    step reversed, which an optimizer then takes as any gradient (examples/diloco.py).
+
+    Communicates: nothing."""
+    a_leaves, b_leaves = _param_leaves(a), _param_leaves(b)
+    if len(a_leaves) != len(b_leaves) or type(a) is not type(b):
+        raise ValueError(
+            f"funcshard.optim.difference: both arguments must be params of one model, got a "
+            f"{type(a).__name__} of {len(a_leaves)} leaves and a {type(b).__name__} of "
+            f"{len(b_leaves)}."
+        )
+    frozen = _frozen_leaves(a) if isinstance(a, ShardedState) else [False] * len(a_leaves)
+    with torch.no_grad():
+        leaves = [None if f else x - y for x, y, f in zip(a_leaves, b_leaves, frozen, strict=True)]
+    if isinstance(a, ShardedState):
+        n = len(a.layout.flats)
+        replicated = dict(zip(a.layout.replicated, leaves[n:], strict=True))
+        return ShardedGrads(shards=tuple(leaves[:n]), layout=a.layout, replicated=replicated)
+    return dict(zip(a.keys(), leaves, strict=True))
+
+
 def apply_updates(params: Any, updates: Any, donate: bool = False) -> Any:
     """Add `updates` to `params` (None updates leave a leaf unchanged).
 

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from funcshard import chaos, collectives, compiled, gather, recompute
 from funcshard.binding import Binding, Slot, bind, get_slot, restore_slots, save_slots, set_slot
+from funcshard.comm import Comm
 from funcshard.layout import param_views
 from funcshard.module import call as call_on_dict
 from funcshard.precision import cast_inputs, cast_outputs
@@ -64,11 +65,11 @@ class Prefetch:
 class _Run:
     """The life of one sharded call: what is gathered, in flight, and in what order units ran."""
 
-    def __init__(self, binding: Binding, state: ShardedState):
+    def __init__(self, binding: Binding, state: ShardedState, comm: Comm | None = None):
         self.binding = binding
         self.state = state
         layout = self.layout = state.layout
-        self.specs, self.sinks = gather.specs_and_sinks(state)
+        self.specs, self.sinks = gather.specs_and_sinks(state, comm)
         reduction = self.specs[0].reduction if self.specs else "mean"
         if reduction == "none" and any(s.grad_fn is not None for s in state.shards):
             raise ValueError(
@@ -85,9 +86,13 @@ class _Run:
             for s, sink, flat in zip(state.shards, self.sinks, layout.flats, strict=True)
         )
         # the wait nodes come first, before any compute: see [Note: one differentiable gather]
-        asynchronous = tuple(
-            d and reduction != "none" and not self.functorch and s.requires_grad
-            for d, s in zip(self.differentiable, state.shards, strict=True)
+        asynchronous = tuple(  # (a user's reduce runs synchronously)
+            d
+            and reduction != "none"
+            and not self.functorch
+            and s.requires_grad
+            and not spec.user_reduce
+            for d, s, spec in zip(self.differentiable, state.shards, self.specs, strict=True)
         )
         self.deferred = tuple(
             gather.Deferred(s, spec) if a else None
@@ -388,13 +393,17 @@ def call(
     buffers: Mapping[str, Tensor] | None = None,
     mutable: bool = False,
     method: str = "forward",
+    comm: Comm | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run `model.<method>(*args, **kwargs)` on a params dict or a sharded state.
 
     On a ShardedState each unit is all-gathered just before its module runs and released
     after it (see [Note: per-unit gathering]); the state's buffers are used (cloned, so the
-    state is never written) and `mutable=True` returns `(out, new_buffers)`.
+    state is never written) and `mutable=True` returns `(out, new_buffers)`. `comm` (a
+    `funcshard.Comm`) replaces the all-gather and the backward's reduce-scatter with the
+    user's functions (see [Note: communication as user functions]); without it, the one
+    `value_and_grad(comm=...)` was given, if any. A params dict ignores it.
     Communicates (sharded): one all-gather per unit and flat buffer over the shard axis.
     """
     if not isinstance(params, ShardedState):
@@ -403,9 +412,9 @@ def call(
         )
     state = params
     if torch.compiler.is_dynamo_compiling():
-        return compiled.call(model, state, args, kwargs, buffers, mutable, method)
+        return compiled.call(model, state, args, kwargs, buffers, mutable, method, comm)
     return _eager_call(
-        model, state, *args, buffers=buffers, mutable=mutable, method=method, **kwargs
+        model, state, *args, buffers=buffers, mutable=mutable, method=method, comm=comm, **kwargs
     )
 
 
@@ -416,6 +425,7 @@ def _eager_call(
     buffers: Mapping[str, Tensor] | None,
     mutable: bool,
     method: str,
+    comm: Comm | None,
     **kwargs: Any,
 ) -> Any:
     """`call` on a sharded state, eagerly (see [Note: per-unit gathering])."""
@@ -423,7 +433,7 @@ def _eager_call(
     binding = bind(model, state.layout)
     if isinstance(state, gather.Differentiated) and not torch.is_grad_enabled():
         recompute.refuse_reentrant_checkpoint("call")
-    run = _Run(binding, state)
+    run = _Run(binding, state, comm)
     new_buffers = {
         k: v.clone() for k, v in (buffers if buffers is not None else state.buffers).items()
     }

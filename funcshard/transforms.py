@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from funcshard import collectives
+from funcshard import collectives, gather
+from funcshard.comm import Comm, check_carry
 from funcshard.layout import FlatLayout, Layout, layout_of, param_views
 from funcshard.materialize import Init, check_init, local_slice, materialize
 from funcshard.mesh import Mesh
@@ -94,8 +95,11 @@ def shard(
     )
 
 
-def unshard(state: ShardedState, units: Sequence[str] | None = None) -> dict[str, Tensor]:
-    """Gather full parameters (all of them, or those of `units`) in their original dtypes.
+def unshard(
+    state: ShardedState, units: Sequence[str] | None = None, comm: Comm | None = None
+) -> dict[str, Tensor]:
+    """Gather full parameters (all of them, or those of `units`) in their original dtypes;
+    with `comm`, through its gather: the parameters a call with that comm computes with.
 
     The dict lists them in the model's `named_parameters()` order, replicated ones included,
     as `extract(model)` does, so the two compare as pytrees without reordering.
@@ -103,7 +107,7 @@ def unshard(state: ShardedState, units: Sequence[str] | None = None) -> dict[str
     Communicates: one all-gather over the shard axis per flat buffer (none when the shard axis
     has size 1, where the result shares memory with the state). Law: inverts `shard`.
     """
-    return unshard_async(state, units).wait()
+    return unshard_async(state, units, comm).wait()
 
 
 @dataclass(frozen=True)
@@ -122,8 +126,11 @@ class UnshardHandle:
         return {f: full[f] for f in self.fqns}
 
 
-def unshard_async(state: ShardedState, units: Sequence[str] | None = None) -> UnshardHandle:
-    """Start `unshard`: issue every all-gather now and return a handle to wait on."""
+def unshard_async(
+    state: ShardedState, units: Sequence[str] | None = None, comm: Comm | None = None
+) -> UnshardHandle:
+    """Start `unshard`: issue every all-gather now and return a handle to wait on (a
+    `comm`'s gather runs now, to its end)."""
     ensure_live(state, "unshard")
     layout = state.layout
     if isinstance(units, str):
@@ -134,7 +141,11 @@ def unshard_async(state: ShardedState, units: Sequence[str] | None = None) -> Un
     pending = tuple(
         (
             layout.flats[i],
-            collectives.all_gather(state.shards[i].to(device), group, what=layout.flats[i].unit),
+            collectives.all_gather(state.shards[i].to(device), group, what=layout.flats[i].unit)
+            if comm is None
+            else gather.issue_gather(
+                state.shards[i], gather.GatherSpec(layout.flats[i], layout.mesh, None, comm=comm)
+            ),
         )
         for i in indices
     )
@@ -178,7 +189,9 @@ def reduce(
     full_grads: Mapping[str, Tensor | None] | LocalGrads,
     divide_factor: float | None = None,
     all_reduce: bool = True,
-) -> ShardedGrads:
+    comm: Comm | None = None,
+    carry: object = None,
+) -> ShardedGrads | tuple[ShardedGrads, tuple]:
     """Reduce every rank's full gradients into this rank's shard of their mean.
 
     Gradients are reduced in the mixed-precision reduce dtype and returned in each parameter's
@@ -186,7 +199,9 @@ def reduce(
     Replicated (ignored) parameters come back whole, all-reduced over every rank (or this
     rank's own, with `plan(..., reduce_ignored=False)`). `divide_factor` replaces the mean's
     divisor (sum, then divide). On an HSDP mesh `all_reduce=False` skips the all-reduce
-    across replicas, for accumulating first.
+    across replicas, for accumulating first. `comm`'s reduce, if any, replaces the
+    reduce-scatter over the shard axis; `carry` is its state, and then the result is
+    `(grads, new_carry)` (see [Note: communication as user functions]).
 
     Communicates: one reduce-scatter over the shard axis per trainable flat buffer, then one
     all-reduce over the replicate axis; one all-reduce per dtype of the replicated
@@ -198,6 +213,8 @@ def reduce(
     _check_grads(full_grads, layout)
     mesh = layout.mesh
     op = "avg" if divide_factor is None else "sum"
+    if comm is not None or carry is not None:
+        return _reduce_with(state, full_grads, divide_factor, all_reduce, comm, carry)
     scattered: list[collectives.Pending | None] = []
     for flat in layout.flats:
         if flat.frozen:
@@ -224,6 +241,44 @@ def reduce(
         shards.append(grad.to(flat.dtype))
     replicated = reduce_replicated(state, full_grads, op, all_reduce, divide_factor)
     return ShardedGrads(shards=tuple(shards), layout=layout, replicated=replicated)
+
+
+def _reduce_with(
+    state: ShardedState,
+    full_grads: Mapping[str, Tensor | None],
+    divide_factor: float | None,
+    all_reduce: bool,
+    comm: Comm | None,
+    carry: object,
+) -> ShardedGrads | tuple[ShardedGrads, tuple]:
+    """`reduce` through a user's reduce, one buffer after the other (it runs synchronously)."""
+    if not isinstance(comm, Comm) or (carry is not None and comm.reduce is None):
+        raise ValueError(
+            f"funcshard.reduce: carry is the state of a Comm's reduce; pass "
+            f"comm=funcshard.Comm(reduce=...) with it, got comm={comm!r}."
+        )
+    layout, mesh = state.layout, state.layout.mesh
+    carries = check_carry(carry, state, "reduce") if carry is not None else None
+    op = "avg" if divide_factor is None else "sum"
+    shards, new_carry = [], []
+    for i, flat in enumerate(layout.flats):
+        c = carries[i] if carries is not None else None
+        if flat.frozen:
+            shards.append(None)
+            new_carry.append(c)
+            continue
+        dtype = reduce_dtype(state.mp, flat)
+        grads = [None if f in flat.frozen_fqns else full_grads.get(f) for f in flat.fqns]
+        padded = _padded_flat(grads, flat, dtype, mesh.device)
+        spec = gather.GatherSpec(flat, mesh, state.mp, comm=comm)
+        grad, c = gather.reduce_whole(padded, spec, c, all_reduce, op)
+        if divide_factor is not None:
+            grad = grad / divide_factor
+        shards.append(grad.to(flat.dtype))
+        new_carry.append(c)
+    replicated = reduce_replicated(state, full_grads, op, all_reduce, divide_factor)
+    grads = ShardedGrads(shards=tuple(shards), layout=layout, replicated=replicated)
+    return grads if carries is None else (grads, tuple(new_carry))
 
 
 def reduce_replicated(

@@ -1,0 +1,192 @@
+"""Communication as user functions: the gather and the reduce of the differentiable gather.
+
+[Note: communication as user functions]
+A research idea in data parallelism is mostly a different collective: a quantized weight
+all-gather (ZeRO++'s int8 blockwise weights with their scales), a compressed gradient
+reduce with error feedback (1-bit Adam, PowerSGD), or communicating less often (local SGD).
+FSDP2 takes the first two as custom all-gather classes and tensor-subclass hooks, DDP the
+second as a comm hook with a mutable state object. Here they are two plain functions in a
+frozen record, `Comm(gather=..., reduce=...)`, passed as an argument to what runs the
+differentiable gather (`fs.call`, `fs.value_and_grad`, `fs.reduce`), never stored in a
+state:
+
+- `gather(shard, axis) -> full`: this rank's 1-D shard in the state's own dtype (the fp32
+  master, not the mixed-precision copy, so a quantizer sees full precision) to the whole
+  flat buffer, `axis.size * shard.numel()` elements, in rank order. It replaces the
+  all-gather over the shard axis in forward and the regather in backward (the same
+  function of the same shard, so both see the same values); funcshard casts the result to
+  the gather dtype. Its derivative is not asked for: the op's backward is the reduce, as if
+  the gather were exact, which for a quantizer is the straight-through estimator.
+- `reduce(full, axis) -> shard`: the full flat gradient (in the reduce dtype, frozen
+  members zeroed, padding zero) to this rank's chunk of its mean over the shard axis,
+  replacing the reduce-scatter in the op's backward (HSDP's mean across replicas follows,
+  as by default).
+
+`axis` is a `MeshAxis`, the shard axis of the state's mesh, whose collectives (`all_gather`,
+`all_to_all`, `reduce_scatter`, `all_reduce`) run eagerly, under torch.compile and under
+make_fx, and are counted by `collectives.record()` like funcshard's own. So the user
+functions run inside the one op (see [Note: one differentiable gather]) and compose with
+what the op supports: mixed precision, HSDP, reshard k (the 1/k slices kept after forward
+are of the user-gathered buffer, regathered exactly with a plain all-gather), accumulation
+(`reduce=False` then `fs.reduce(..., comm=...)`), `torch.autograd.grad`, `torch.func` and
+torch.compile. A size-1 shard axis (DDP) communicates nothing and calls neither function.
+
+State: a reduce with error feedback keeps a residual (what compression dropped, sent with
+the next step's gradient). It is explicit state the caller threads, as optimizer state:
+`carry=` in, the new carry out (`fs.value_and_grad(f, comm=c, carry=r)` returns
+`(value, grads, r)`, `fs.reduce(state, g, comm=c, carry=r)` returns `(grads, r)`), and the
+function is `reduce(full, axis, carry) -> (shard, carry)`. A stateful reduce is not linear,
+so it must see a buffer's whole gradient once per step, while autograd may split that
+gradient over several gather nodes (a tied weight, a module run twice, two calls in one
+loss): with a carry, the op's backward leaves each buffer's full gradient in its sink (as
+`reduce=False` does, autograd summing the pieces) and the reduce runs once per buffer after
+backward. That costs what `reduce=False` costs: every full-size gradient held until backward
+ends. `carry_zeros(state)` is the usual start: one full-size zero buffer per trainable flat
+buffer, in the reduce dtype, so the residual of an fp32 reduce costs 4 bytes per parameter
+of the whole model on every rank (DDP's gradient buffer, N times a shard's fp32 copy).
+
+Costs of the defaults: none. Without a `Comm` every path is the one it was (the gathers are
+prefetched, the reduce-scatters issued asynchronously and overlapped with backward). A user
+gather or reduce runs synchronously where the op needs it: gathers are not prefetched, and
+reduces do not overlap backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from funcshard import collectives
+from funcshard.mesh import Mesh
+from funcshard.precision import reduce_dtype
+
+if TYPE_CHECKING:
+    from funcshard.state import ShardedState
+
+
+@dataclass(frozen=True)
+class Comm:
+    """The gather and the reduce of the differentiable gather, as user functions (see
+    [Note: communication as user functions]); None keeps funcshard's collective.
+
+    `gather(shard, axis) -> full`; `reduce(full, axis) -> shard`, or with a carry
+    `reduce(full, axis, carry) -> (shard, carry)`. `axis` is the shard axis (`MeshAxis`).
+    """
+
+    gather: Callable[..., Tensor] | None = None
+    reduce: Callable[..., object] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("gather", "reduce"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise TypeError(
+                    f"funcshard.Comm: {name} must be a function or None, got {type(fn).__name__}."
+                )
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One axis of a mesh ("shard" or "replicate") as user communication sees it: its size,
+    this rank's index on it, and collectives over it that return finished tensors (eagerly
+    issued and waited, counted by `collectives.record()`; graph nodes when traced)."""
+
+    mesh: Mesh
+    name: str = "shard"
+
+    def __post_init__(self) -> None:
+        if self.name not in ("shard", "replicate"):
+            raise ValueError(
+                f"funcshard.MeshAxis: name must be 'shard' or 'replicate', got {self.name!r}."
+            )
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shard_size if self.name == "shard" else self.mesh.replicate_size
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.shard_rank if self.name == "shard" else self.mesh.replicate_rank
+
+    @property
+    def _group(self):  # a ProcessGroup (only collectives.py and mesh.py name the type)
+        return self.mesh.shard_group if self.name == "shard" else self.mesh.replicate_group
+
+    def all_gather(self, x: Tensor) -> Tensor:
+        """Every rank's `x` concatenated along dim 0, in rank order."""
+        flat = x.reshape(-1)
+        if _compiling():
+            out = collectives.gathered(flat, self._group)
+        else:
+            out = collectives.all_gather(flat, self._group, what="<user gather>").wait()
+        return out.view(self.size * x.shape[0], *x.shape[1:]) if x.dim() else out
+
+    def all_to_all(self, x: Tensor) -> Tensor:
+        """Rank r's chunk j of `x` (split along dim 0 into `size` equal chunks) lands as
+        chunk r on rank j: what a reduce-scatter sends, without reducing."""
+        if x.shape[0] % self.size:
+            raise ValueError(
+                f"funcshard.MeshAxis.all_to_all: dim 0 ({x.shape[0]}) must divide into "
+                f"{self.size} equal chunks, one per rank of the {self.name} axis."
+            )
+        if _compiling():
+            return collectives.all_to_alled(x.contiguous(), self._group)
+        return collectives.all_to_all(x.contiguous(), self._group, what="<user reduce>").wait()
+
+    def reduce_scatter(self, x: Tensor, op: str = "avg") -> Tensor:
+        """Chunk `rank` of `x` (1-D) reduced over the axis by `op` ("avg" or "sum")."""
+        if _compiling():
+            return collectives.reduced_scattered(x, self._group, op)
+        return collectives.reduce_scatter(x, self._group, op, what="<user reduce>").wait()
+
+    def all_reduce(self, x: Tensor, op: str = "avg") -> Tensor:
+        """`x` reduced over the axis by `op` ("avg" or "sum"), on every rank."""
+        if _compiling():
+            return collectives.all_reduced(x, self._group, op)
+        return collectives.all_reduce(x, self._group, op, what="<user all-reduce>").wait()
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_dynamo_compiling()
+
+
+def carry_zeros(state: ShardedState) -> tuple[Tensor | None, ...]:
+    """A reduce's carry at its start: per flat buffer of `state`, a full-size (padded) zero
+    buffer in its reduce dtype, None for frozen buffers (see [Note: communication as user
+    functions]: the whole model's gradient size on every rank)."""
+    device = state.layout.mesh.device
+    return tuple(
+        None
+        if flat.frozen
+        else torch.zeros(flat.padded_numel, dtype=reduce_dtype(state.mp, flat), device=device)
+        for flat in state.layout.flats
+    )
+
+
+def check_carry(carry: object, state: ShardedState, where: str) -> tuple[Tensor | None, ...]:
+    """`carry` as a tuple lined up with the state's flat buffers, or a ValueError that says
+    what is expected (checked before any collective)."""
+    flats = state.layout.flats
+    if not isinstance(carry, tuple | list) or len(carry) != len(flats):
+        n = len(carry) if isinstance(carry, tuple | list) else type(carry).__name__
+        raise ValueError(
+            f"funcshard.{where}: carry must hold one entry per flat buffer of the state "
+            f"({len(flats)}), got {n}. Start from funcshard.carry_zeros(state)."
+        )
+    for flat, c in zip(flats, carry, strict=True):
+        if flat.frozen and c is not None:
+            raise ValueError(
+                f"funcshard.{where}: carry of unit {flat.unit!r} must be None: the buffer is "
+                f"frozen and has no gradient to reduce."
+            )
+        if not flat.frozen and c is None:
+            raise ValueError(
+                f"funcshard.{where}: carry of unit {flat.unit!r} is None, but the buffer is "
+                f"trainable and its reduce needs its state. Start from "
+                f"funcshard.carry_zeros(state)."
+            )
+    return tuple(carry)
