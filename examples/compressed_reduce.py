@@ -76,9 +76,8 @@ def train(steps: int, quick: bool, comm: fs.Comm | None, rank: int) -> dict:
         x, y = x.chunk(nproc)[rank], y.chunk(nproc)[rank]
         with collectives.record() as log:
             if comm:
-                loss, grads, residual = fs.value_and_grad(loss_fn, comm=comm, carry=residual)(
-                    state, x, y
-                )
+                grad_fn = fs.value_and_grad(loss_fn, comm=comm, carry=residual)
+                loss, grads, residual = grad_fn(state, x, y)  # the residual threaded
             else:
                 loss, grads = fs.value_and_grad(loss_fn)(state, x, y)
         reduced.append(collectives.bytes_sent([r for r in log if r.op != "all_gather"]))

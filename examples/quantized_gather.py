@@ -58,7 +58,7 @@ def train(steps: int, quick: bool, comm: fs.Comm | None, rank: int) -> dict:
     state = fs.shard(model, fs.plan(model, policy=fs.policy.module_classes({Block})), mesh, mp=mp)
     opt = fs.optim.adamw(cfg.lr, weight_decay=0.01)
     opt_state = opt.init(state)
-    grad_fn = fs.value_and_grad(functools.partial(demo.lm_loss, model), comm=comm)
+    grad_fn = fs.value_and_grad(functools.partial(demo.lm_loss, model), comm=comm)  # None or Q8
     losses, gathered = [], []
     for step in range(steps):
         x, y = demo.batches(data, cfg, step, cfg.batch * nproc)

@@ -29,7 +29,6 @@ from compressed_reduce import EF4
 from diloco import parity
 from quantized_gather import BLOCK, Q8
 
-
 _CALLS = collections.Counter()  # in each rank's process: how often each user function ran
 
 
@@ -179,16 +178,19 @@ def test_an_int8_gather_trains_on_the_dequantized_weights_with_straight_through_
 
 @isolated()
 def _compiled(comm_name: str, rank: int) -> tuple:
-    comm = {"exact": EXACT, "q8": Q8}[comm_name]
     model, state = _state({"shard": 2})
     x, y = random_tokens(model.cfg, 2, seed=rank)
-    step = fs.value_and_grad(functools.partial(_loss, model, comm=comm))
+    if comm_name == "q8":
+        step = fs.value_and_grad(functools.partial(_loss, model, comm=Q8))
+    else:  # a carried reduce: the residual is an input and an output of the graph
+        carry = tuple(torch.randn_like(c) * 1e-3 for c in fs.carry_zeros(state))
+        step = fs.value_and_grad(functools.partial(_loss, model), comm=EF4, carry=carry)
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(state, x, y)
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
     return compiled, step(state, x, y), breaks
 
 
-@pytest.mark.parametrize("comm", ["q8"])
+@pytest.mark.parametrize("comm", ["q8", "ef4 with a carry"])
 def test_user_comm_compiles_into_one_graph_and_gives_the_eager_gradients(comm):
     for compiled, eager, breaks in testing.run(functools.partial(_compiled, comm), 2, timeout=240):
         assert breaks == {}
