@@ -24,11 +24,30 @@ Resharding after forward regathers in backward through saved-tensor hooks (see [
 resharding after forward] in funcshard/regather.py). torch.func refuses such hooks, so under
 its transforms units stay gathered from their forward through backward (a one-time warning
 says so), and their gathers are not prefetched.
+
+[Note: generate across ranks]
+A sharded call's forward communicates (every unit is all-gathered over the shard axis), so
+every rank must run the same number of forwards. A generation loop (transformers'
+`generate`) runs one forward per new token and stops when its own sequences are done, and
+ranks with other prompts finish at other steps: the first to finish returns, and the
+others' next all-gathers meet whatever it issues next (gloo aborts on mismatched shapes)
+or nothing (a hang). transformers' answer for FSDP and ZeRO-3 is `synced_gpus=True`: before
+each step every rank all-reduces "am I done" over the default process group, and a
+finished rank keeps running forwards (outputs discarded) until all are done. transformers
+turns it on by itself only for modules FSDP manages; `call` does so for funcshard: when
+the state's shard axis has more than one rank and the method takes a `synced_gpus`
+argument the caller did not pass, it is passed True. Its all-reduce goes to the default
+group, which a `Mesh(...)` spans (its sizes multiply to the world size; a mesh from a
+DeviceMesh over part of the world needs every rank of the world to generate); every rank
+issues it at the same point of the same loop, so it interleaves with funcshard's gathers
+in one order on every rank. A DDP state (shard axis of one rank) gathers nothing and is
+left alone; `synced_gpus=False` turns it off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import warnings
 import weakref
@@ -403,7 +422,10 @@ def call(
     state is never written) and `mutable=True` returns `(out, new_buffers)`. `comm` (a
     `funcshard.Comm`) replaces the all-gather and the backward's reduce-scatter with the
     user's functions (see [Note: communication as user functions]); without it, the one
-    `value_and_grad(comm=...)` was given, if any. A params dict ignores it.
+    `value_and_grad(comm=...)` was given, if any. A params dict ignores it. A method that
+    takes `synced_gpus` (transformers' `generate`) is passed `synced_gpus=True` on a sharded
+    state unless the caller passes it, so that ranks whose generation stops at other steps
+    keep running forwards together (see [Note: generate across ranks]).
     Communicates (sharded): one all-gather per unit and flat buffer over the shard axis.
     """
     if not isinstance(params, ShardedState):
@@ -413,9 +435,24 @@ def call(
     state = params
     if torch.compiler.is_dynamo_compiling():
         return compiled.call(model, state, args, kwargs, buffers, mutable, method, comm)
+    if _needs_sync(model, state, method, kwargs):  # see [Note: generate across ranks]
+        kwargs = {**kwargs, "synced_gpus": True}
     return _eager_call(
         model, state, *args, buffers=buffers, mutable=mutable, method=method, comm=comm, **kwargs
     )
+
+
+def _needs_sync(
+    model: nn.Module, state: ShardedState, method: str, kwargs: Mapping[str, Any]
+) -> bool:
+    """Whether `method` is a generation loop to keep in step across the shard axis."""
+    if method == "forward" or "synced_gpus" in kwargs or state.layout.mesh.shard_size == 1:
+        return False
+    target = getattr(model, method, None)
+    try:
+        return callable(target) and "synced_gpus" in inspect.signature(target).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return False
 
 
 def _eager_call(
