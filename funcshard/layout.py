@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from funcshard.mesh import Mesh
-from funcshard.plan import Plan
+from funcshard.plan import Plan, Unit
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,16 @@ def _split_sizes(flat: FlatLayout) -> tuple[int, ...]:
     return flat.numels + ((padding,) if padding else ())
 
 
+def _frozen_apart(members: list, unit: Unit) -> list[tuple[list, bool]]:
+    """A unit's members of one dtype as flat buffers: one, or (frozen="split") the trainable
+    ones and then the frozen ones, each only if there are any."""
+    if not unit.frozen_apart:
+        return [(members, unit.frozen)]
+    trainable = [m for m in members if m[0] not in unit.frozen_fqns]
+    frozen = [m for m in members if m[0] in unit.frozen_fqns]
+    return [(group, apart) for group, apart in ((trainable, False), (frozen, True)) if group]
+
+
 def layout_of(plan: Plan, mesh: Mesh | None, shard_size: int | None = None) -> Layout:
     """Lay out a plan's units as flat buffers sharded over the mesh's shard axis (or, with
     no mesh, over `shard_size` ranks: a layout for arithmetic, as the estimator's)."""
@@ -146,18 +156,21 @@ def layout_of(plan: Plan, mesh: Mesh | None, shard_size: int | None = None) -> L
                 for fqn, shape, d in zip(unit.fqns, unit.shapes, unit.param_dtypes, strict=True)
                 if d == dtype
             ]
-            flats.append(
-                FlatLayout(
-                    unit=unit.name,
-                    dtype=dtype,
-                    fqns=tuple(f for f, _ in members),
-                    shapes=tuple(s for _, s in members),
-                    shard_size=shard_size,
-                    keep_fp32=unit.keep_fp32,
-                    frozen=unit.frozen,
-                    frozen_fqns=tuple(f for f, _ in members if f in unit.frozen_fqns),
+            for group, frozen in _frozen_apart(members, unit):
+                flats.append(
+                    FlatLayout(
+                        unit=unit.name,
+                        dtype=dtype,
+                        fqns=tuple(f for f, _ in group),
+                        shapes=tuple(s for _, s in group),
+                        shard_size=shard_size,
+                        keep_fp32=unit.keep_fp32,
+                        frozen=frozen,
+                        frozen_fqns=()
+                        if unit.frozen_apart
+                        else tuple(f for f, _ in group if f in unit.frozen_fqns),
+                    )
                 )
-            )
     return Layout(
         flats=tuple(flats),
         replicated=plan.ignored,

@@ -43,7 +43,8 @@ class Unit:
     frozen: bool  # no parameter requires grad: never reduced
     shapes: tuple[tuple[int, ...], ...]  # one per FQN
     param_dtypes: tuple[torch.dtype, ...]  # one per FQN
-    frozen_fqns: tuple[str, ...] = ()  # in a trainable unit (frozen="warn"): never updated
+    frozen_fqns: tuple[str, ...] = ()  # in a trainable unit (frozen="warn"|"split"): never updated
+    frozen_apart: bool = False  # frozen="split": the frozen_fqns get flat buffers of their own
 
     def bytes_per_rank(self, world_size: int) -> int:
         """Bytes each rank holds when the unit is sharded evenly (padded) over `world_size`."""
@@ -84,6 +85,7 @@ class Plan:
                     u.keep_fp32,
                     u.frozen,
                     u.frozen_fqns,
+                    u.frozen_apart,
                 )
                 for u in self.units
             ]
@@ -135,7 +137,10 @@ def plan(
     Ignored parameters that do not require grad, or are not floating point, get none. Each
     module of a `keep_fp32` class becomes its own unit with mixed
     precision off. `frozen="error"` rejects a unit that mixes frozen and trainable parameters;
-    `"warn"` allows it with a warning.
+    `"split"` allows it (LoRA adapters beside their frozen base weights): the frozen members
+    get flat buffers of their own in the unit, gathered with it but never reduced, with no
+    gradient and no optimizer state; `"warn"` keeps them in the trainable buffer with a
+    warning, where they take zero gradients that are reduced.
     """
     if isinstance(policy, Buckets):
         if keep_fp32:
@@ -149,8 +154,10 @@ def plan(
             f"funcshard.plan: policy must be callable (module, fqn, unowned_numel) -> bool or "
             f"None, got {type(policy).__name__}. See funcshard.policy for ready ones."
         )
-    if frozen not in ("error", "warn"):
-        raise ValueError(f"funcshard.plan: frozen must be 'error' or 'warn', got {frozen!r}.")
+    if frozen not in ("error", "warn", "split"):
+        raise ValueError(
+            f"funcshard.plan: frozen must be 'error', 'split' or 'warn', got {frozen!r}."
+        )
     fp32_policy = module_classes(keep_fp32) if keep_fp32 else None
     first_fqn = {id(p): name for name, p in model.named_parameters()}
     order = {pid: i for i, pid in enumerate(first_fqn)}
@@ -250,7 +257,7 @@ def _unit(
     ordered = sorted(params.items(), key=lambda item: order[item[0]])
     fqns = tuple(first_fqn[pid] for pid, _ in ordered)
     tensors = [p for _, p in ordered]
-    _check_frozen(name, fqns, tensors, frozen)
+    mixed = _check_frozen(name, fqns, tensors, frozen)
     param_dtypes = tuple(p.dtype for p in tensors)
     return Unit(
         name=name,
@@ -264,15 +271,21 @@ def _unit(
         frozen_fqns=tuple(f for f, p in zip(fqns, tensors, strict=True) if not p.requires_grad)
         if any(p.requires_grad for p in tensors)
         else (),
+        frozen_apart=mixed and frozen == "split",
     )
 
 
-def _check_frozen(name: str, fqns: tuple[str, ...], tensors: list[nn.Parameter], frozen: str):
-    """Reject (or warn about) a unit that mixes frozen and trainable parameters."""
+def _check_frozen(
+    name: str, fqns: tuple[str, ...], tensors: list[nn.Parameter], frozen: str
+) -> bool:
+    """Whether the unit mixes frozen and trainable parameters; reject it (frozen="error") or
+    warn about it ("warn")."""
     trainable = [(f, p.numel()) for f, p in zip(fqns, tensors, strict=True) if p.requires_grad]
     still = [(f, p.numel()) for f, p in zip(fqns, tensors, strict=True) if not p.requires_grad]
     if not trainable or not still:
-        return
+        return False
+    if frozen == "split":
+        return True
     where = f"unit {name!r}" if name else "the root unit"
     message = (
         f"funcshard.plan: {where} mixes parameters with requires_grad=True and False.\n"
@@ -283,16 +296,18 @@ def _check_frozen(name: str, fqns: tuple[str, ...], tensors: list[nn.Parameter],
     )
     if frozen == "error":
         raise ValueError(
-            message + "Put the frozen part in a unit of its own (a policy that selects its "
-            "module), or pass frozen='warn' to accept the cost."
+            message + "Pass plan(..., frozen='split') to give the frozen part flat buffers "
+            "of its own in the unit (no gradient memory for it), or put it in a unit of its own "
+            "(a policy that selects its module)."
         )
     warnings.warn(
         message + f"Its gradients are reduced over all {sum(p.numel() for p in tensors):,} "
         f"elements instead of the {sum(n for _, n in trainable):,} trainable ones (the frozen "
-        f"ones get zero gradients and no updates).",
+        f"ones get zero gradients and no updates); frozen='split' avoids that.",
         UserWarning,
         stacklevel=4,
     )
+    return True
 
 
 def _post_order(model: nn.Module, skip: set[int]) -> Iterator[tuple[str, nn.Module]]:

@@ -23,8 +23,10 @@ the plain model's greedy `generate` (GPT-2, Llama, T5), also when ranks stop at 
 steps (eos at different steps, different `max_new_tokens`: funcshard passes transformers'
 `synced_gpus=True`, see [Note: generate across ranks] in funcshard/sharded_call.py); and a
 hand-made LoRA on Llama's q_proj/v_proj (frozen base, trainable adapters in one module) trains
-with parity, two ways: adapters as units of their own (frozen units take no gradient memory)
-and `plan(frozen="warn")` (one unit; its frozen members get zeroed gradient memory).
+with parity, three ways: adapters as units of their own (frozen units take no gradient
+memory), `plan(frozen="split")` (one unit per block, its frozen members in flat buffers of
+their own: no gradient memory either) and `plan(frozen="warn")` (its frozen members get
+zeroed gradient memory).
 
 Run: `.venv/bin/python -m pytest tests/test_hf_models.py -q`.
 """
@@ -359,8 +361,9 @@ def _lora(how: str, rank: int) -> dict:
         if how == "adapter units":  # each LoRA its own unit: the block's rest is all frozen
             policy = fs.policy.module_classes({LoRA, block})
             plan = fs.plan(model, policy=policy)
-        else:  # frozen="warn": one unit per block mixing frozen and trainable members
-            plan = fs.plan(model, policy=fs.policy.module_classes({block}), frozen="warn")
+        else:  # one unit per block mixing frozen and trainable members
+            frozen_option = how.removeprefix("frozen=")
+            plan = fs.plan(model, policy=fs.policy.module_classes({block}), frozen=frozen_option)
     state = fs.shard(model, plan, fs.Mesh(shard=2))
     before = fs.unshard(state)
     state, losses, grads = _train(model, state, "llama", rank)
@@ -398,7 +401,7 @@ def _lora(how: str, rank: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("how", ["adapter units", "frozen=warn"])
+@pytest.mark.parametrize("how", ["adapter units", "frozen=split", "frozen=warn"])
 def test_lora_adapters_beside_frozen_weights_train_like_one_plain_process(how):
     results = testing.run(functools.partial(_lora, how), world_size=2)
     for rank, r in enumerate(results):
@@ -407,9 +410,10 @@ def test_lora_adapters_beside_frozen_weights_train_like_one_plain_process(how):
         for ours, ref in zip(r["losses"], r["ref_losses"], strict=True):
             assert ours == pytest.approx(ref, rel=1e-5)
         assert r["frozen_moved"] == [] and r["trainable_moved"], r
-        if how == "adapter units":
+        if how in ("adapter units", "frozen=split"):
             # no gradient memory for the frozen weights: their flat buffers get None, and this
-            # rank's gradients are about half the adapters' (the shards plus padding)
+            # rank's gradients are about half the adapters' (the shards plus padding); with
+            # "split" the frozen members are flat buffers of their own inside each block's unit
             assert r["warned"] == [] and r["frozen_flats_without_grads"], r
             assert r["frozen_in_frozen_flats"]
             assert r["grad_numel"] < r["trainable_numel"] // 2 + 64, r

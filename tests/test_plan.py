@@ -83,7 +83,22 @@ def test_frozen_and_trainable_in_one_unit_is_an_error_naming_both_groups():
     assert "the root unit mixes parameters with requires_grad=True and False" in message
     assert "requires_grad=True (2,016 numel): 'wte.weight', 'ln_f.weight', 'ln_f.bias'" in message
     assert "requires_grad=False (512 numel): 'wpe.weight'" in message
-    assert "Put the frozen part in a unit of its own" in message
+    assert "frozen='split'" in message and "put it in a unit of its own" in message
+
+
+def test_frozen_split_gives_the_frozen_members_flat_buffers_of_their_own():
+    """LoRA's case: one unit, its frozen members gathered with it but in a frozen buffer,
+    which gets no gradient and no optimizer state."""
+    from funcshard.layout import layout_of
+
+    model = GPT()
+    model.wpe.weight.requires_grad_(False)
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block}), frozen="split")
+    root = [f for f in layout_of(plan, None, shard_size=2).flats if f.unit == ""]
+    assert [(f.fqns, f.frozen, f.frozen_fqns) for f in root] == [
+        (("wte.weight", "ln_f.weight", "ln_f.bias"), False, ()),
+        (("wpe.weight",), True, ()),
+    ]
 
 
 def test_frozen_warn_says_what_the_mixing_costs_and_frozen_units_are_marked():
@@ -135,7 +150,7 @@ def test_ignored_modules_params_and_fqns_stay_out_of_every_unit():
         ({"ignored": [nn.Linear(2, 2)]}, ValueError, "ignored names Linear, which are not"),
         ({"ignored": [""]}, ValueError, "the root module cannot be ignored"),
         ({"policy": 3}, TypeError, "policy must be callable"),
-        ({"frozen": "ignore"}, ValueError, "frozen must be 'error' or 'warn', got 'ignore'"),
+        ({"frozen": "ignore"}, ValueError, "must be 'error', 'split' or 'warn', got 'ignore'"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, error, message):
