@@ -213,7 +213,9 @@ def reduce(
     _check_grads(full_grads, layout)
     mesh = layout.mesh
     op = "avg" if divide_factor is None else "sum"
-    if comm is not None or carry is not None:
+    if comm is not None and not isinstance(comm, Comm):
+        raise TypeError(f"funcshard.reduce: comm must be a funcshard.Comm, got {comm!r}.")
+    if carry is not None or (comm is not None and comm.reduce is not None):
         return _reduce_with(state, full_grads, divide_factor, all_reduce, comm, carry)
     scattered: list[collectives.Pending | None] = []
     for flat in layout.flats:
