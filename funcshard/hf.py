@@ -1,0 +1,554 @@
+"""Hugging Face safetensors checkpoints: pretrained weights straight into shards, and back.
+
+[Note: Hugging Face checkpoints]
+`save_pretrained` writes a directory holding `model.safetensors` or, past `max_shard_size`,
+files `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`, whose
+`weight_map` names each tensor's file. A safetensors file is an 8-byte length, a JSON header
+(each tensor's dtype, shape and byte range) and the tensors' bytes, row-major, so any run of
+leading-dim rows of a tensor is one contiguous byte range that can be read alone.
+
+Loading (`load_hf`): every rank reads every file's header (small; safetensors checks it and
+that the file is as long as the header says), maps the checkpoint's keys to the model's FQNs
+(`rename`, then tied names: a file may hold either name of a tied pair, or both) and checks
+them against `like`. A rank's flat shard covers a range of each parameter it overlaps; the
+rank opens that tensor as a lazy slice (`get_slice`, a view of the memory-mapped file), takes
+the fewest leading-dim rows that cover the range, and copies the range straight into its
+new shard, casting to the state's dtype on the way. Nothing is allocated beyond the new
+shards; only the pages of those rows are read. Replicated parameters and buffers are read
+whole; non-persistent buffers (rotary frequencies) are in no HF file and stay `like`'s
+(unless a file has them).
+
+Every problem (missing, unexpected and mis-shaped keys, an unreadable file) is caught on the
+rank that meets it, and one all-gather of a flag tells every rank whether any rank failed;
+then all raise the same error. Ranks read different bytes, so a damaged byte range may fail
+on one rank only; without the agreement the others would return and hang in their next
+collective.
+
+Saving (`save_hf`): the units are gathered one at a time (`unshard(state, units=[unit])`, on
+every rank), and the mesh's first rank copies each gathered tensor to the CPU and writes an
+output file as soon as all its tensors are in. File boundaries are planned from the layout's
+sizes beforehand, in gather order, so that rank holds at most one file plus one unit. Tied
+parameters are written once, under their first FQN, as `save_pretrained` does
+(`from_pretrained` ties the other name back). Each file is written under a `.tmp` name and
+renamed into place only when all are written (then the index, then files of an earlier
+export that this one does not replace are deleted), so an export that fails while gathering
+or writing leaves the previous one in place (only a failure among the renames themselves
+could leave a mix). The first rank's failure reaches every rank through the same agreement,
+which is also where the other ranks wait for the files to be written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from funcshard import collectives
+from funcshard.integrity import CheckpointCorrupted
+from funcshard.layout import FlatLayout
+from funcshard.state import ShardedState, ensure_live
+from funcshard.transforms import unshard
+from funcshard.tree import format_names
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_LOAD, _SAVE = "funcshard.checkpoint.load_hf", "funcshard.checkpoint.save_hf"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the checkpoint, as its file's header describes it."""
+
+    file: str
+    key: str
+    shape: tuple[int, ...]
+
+
+def load_hf(
+    path: str | os.PathLike,
+    like: ShardedState,
+    rename: Callable[[str], str | None] | None = None,
+) -> ShardedState:
+    """Load a safetensors checkpoint (a directory `save_pretrained` wrote, sharded or not, or
+    one `.safetensors` file) into the layout of `like`, each rank reading only its part.
+
+    `like` may be a meta-built state of zeros (`fs.shard(model, plan, mesh,
+    init=fs.skip(model._init_weights))`). `rename(key)` maps a checkpoint key to the model's
+    FQN, or to None to drop it. A tied parameter may be stored under either of its names.
+    Tensors are cast to the state's dtypes. Peak memory: the new shards, plus whatever pages
+    of the mapped files the copy touches (see [Note: Hugging Face checkpoints]).
+
+    Raises on every rank, naming them, for missing, unexpected and mis-shaped keys
+    (ValueError) and for unreadable files (CheckpointCorrupted). Communicates: one
+    all-gather of a flag over the mesh (and of the messages, on failure).
+    """
+    _check_state(like, "like", _LOAD)
+    ensure_live(like, "checkpoint.load_hf")
+    if rename is not None and not callable(rename):
+        raise TypeError(
+            f"{_LOAD}: rename must be a function from checkpoint key to FQN (or None to drop "
+            f"the key), got {type(rename).__name__}."
+        )
+    root = os.fspath(path)
+    loaded, problem = None, None
+    try:  # reported on every rank below, never a hang
+        with ExitStack() as stack:
+            handles, entries = _headers(root, stack)
+            sources = _sources(root, entries, like, rename)
+            loaded = _read(like, sources, handles)
+    except Exception as e:
+        problem = e
+    _agree(problem, like.layout.mesh.group, _LOAD)
+    assert loaded is not None
+    return loaded
+
+
+def _files(root: str) -> tuple[list[str], dict[str, str] | None]:
+    """The checkpoint's safetensors files, and its index's weight map when it has one (a
+    single `model.safetensors` first, as `from_pretrained` looks)."""
+    if os.path.isfile(root):
+        return [root], None
+    if os.path.isfile(os.path.join(root, WEIGHTS)):
+        return [os.path.join(root, WEIGHTS)], None
+    index = os.path.join(root, INDEX)
+    if not os.path.isfile(index):
+        raise FileNotFoundError(
+            f"{_LOAD}: {root!r} holds neither {WEIGHTS} nor {INDEX}. Pass the directory "
+            f"save_pretrained wrote (safe_serialization=True), or one .safetensors file."
+        )
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        names = sorted(set(weight_map.values()))
+        if any(os.path.basename(n) != n for n in names):
+            raise ValueError(f"file names must be plain names in the directory, got {names}")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointCorrupted(
+            f"{_LOAD}: {index} is not a valid index ({type(e).__name__}: {e}). Save or "
+            f"download the checkpoint again."
+        ) from e
+    return [os.path.join(root, n) for n in names], weight_map
+
+
+def _headers(root: str, stack: ExitStack) -> tuple[dict[str, Any], dict[str, _Entry]]:
+    """Open every file of the checkpoint (headers only) and describe every tensor."""
+    from safetensors import safe_open
+
+    files, weight_map = _files(root)
+    handles, entries = {}, {}
+    for file in files:
+        try:
+            handles[file] = handle = stack.enter_context(safe_open(file, framework="pt"))
+        except Exception as e:  # SafetensorError for a damaged or truncated file
+            missing = isinstance(e, FileNotFoundError) or not os.path.exists(file)
+            raise CheckpointCorrupted(
+                f"{_LOAD}: {file} "
+                + ("is missing, though the index names it" if missing else f"is unreadable: {e}")
+                + ". The checkpoint is damaged or incomplete (an interrupted save or "
+                "download?); save or download it again."
+            ) from e
+        for key in handle.keys():  # noqa: SIM118 (a safe_open handle is no dict)
+            if key in entries:
+                raise CheckpointCorrupted(
+                    f"{_LOAD}: {key!r} is in both {entries[key].file} and {file}. Save or "
+                    f"download the checkpoint again."
+                )
+            entries[key] = _Entry(file, key, tuple(handle.get_slice(key).get_shape()))
+    if weight_map is not None:
+        lacking = [
+            k
+            for k, name in weight_map.items()
+            if k not in entries or os.path.basename(entries[k].file) != name
+        ]
+        if lacking:
+            raise CheckpointCorrupted(
+                f"{_LOAD}: {os.path.join(root, INDEX)} names tensors its files lack: "
+                f"{format_names(lacking)}. Save or download the checkpoint again."
+            )
+    return handles, entries
+
+
+def _expected(like: ShardedState) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Every name the state takes from a checkpoint: FQN -> (shape, required)."""
+    layout = like.layout
+    out = {
+        fqn: (shape, True)
+        for flat in layout.flats
+        for fqn, shape in zip(flat.fqns, flat.shapes, strict=True)
+    }
+    out.update({fqn: (tuple(t.shape), True) for fqn, t in like.replicated.items()})
+    persistent = set(layout.state_dict_keys or like.buffers)
+    out.update({n: (tuple(b.shape), n in persistent) for n, b in like.buffers.items()})
+    return out
+
+
+def _sources(
+    root: str,
+    entries: dict[str, _Entry],
+    like: ShardedState,
+    rename: Callable[[str], str | None] | None,
+) -> dict[str, _Entry]:
+    """FQN -> the checkpoint tensor that holds it; raises naming every mismatch at once."""
+    named: dict[str, _Entry] = {}
+    for key, entry in entries.items():
+        fqn = key if rename is None else rename(key)
+        if fqn is None:
+            continue
+        if not isinstance(fqn, str):
+            raise TypeError(
+                f"{_LOAD}: rename({key!r}) must return an FQN (str) or None, got {fqn!r}."
+            )
+        if fqn in named:
+            raise ValueError(
+                f"{_LOAD}: rename maps both {named[fqn].key!r} and {key!r} to {fqn!r}. Map "
+                f"each key to its own FQN, or drop one (return None)."
+            )
+        named[fqn] = entry
+    expected = _expected(like)
+    aliases = dict(like.layout.aliases)  # second name -> first FQN
+    tied = {first: second for second, first in aliases.items()}
+    for second, first in aliases.items():
+        if first not in named and second in named:  # e.g. only lm_head.weight stored
+            named[first] = named[second]
+
+    def described(fqn: str) -> str:
+        key = named[fqn].key
+        return fqn if key == fqn else f"{key} (as {fqn})"
+
+    missing = [
+        fqn + (f" (or its tied name {tied[fqn]})" if fqn in tied else "")
+        for fqn, (_, required) in expected.items()
+        if required and fqn not in named
+    ]
+    unexpected = [described(f) for f in named if f not in expected and f not in aliases]
+    wrong = [
+        f"{described(f)}: checkpoint {named[f].shape}, model {expected[aliases.get(f, f)][0]}"
+        for f in named
+        if aliases.get(f, f) in expected and named[f].shape != expected[aliases.get(f, f)][0]
+    ]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"{_LOAD}: {root!r} does not match the state: missing "
+            f"{format_names(missing) or 'none'}; unexpected {format_names(unexpected) or 'none'}"
+            f"; shape differs for {format_names(wrong) or 'none'}. Load a checkpoint of the "
+            f"same model configuration; map or drop checkpoint keys with rename=(key -> FQN "
+            f"or None)."
+        )
+    return {f: named[f] for f in expected if f in named}
+
+
+def _read(like: ShardedState, sources: dict[str, _Entry], handles: dict[str, Any]) -> ShardedState:
+    """The new state: each flat shard built from its covering rows, the rest read whole."""
+    layout = like.layout
+    rank = layout.mesh.shard_rank
+    shards = tuple(
+        _read_shard(flat, rank, sources, handles, old.device)
+        for flat, old in zip(layout.flats, like.shards, strict=True)
+    )
+
+    def whole(name: str, old: Tensor) -> Tensor:
+        entry = sources[name]
+        with _reading(entry):
+            return torch.empty_like(old).copy_(handles[entry.file].get_tensor(entry.key))
+
+    replicated = {f: whole(f, t) for f, t in like.replicated.items()}
+    buffers = {n: whole(n, b) if n in sources else b for n, b in like.buffers.items()}
+    return like.replace(shards=shards, replicated=replicated, buffers=buffers)
+
+
+def _read_shard(
+    flat: FlatLayout,
+    shard_rank: int,
+    sources: dict[str, _Entry],
+    handles: dict[str, Any],
+    device: torch.device,
+) -> Tensor:
+    """This rank's shard of `flat`, copied piece by piece from the files (padding zero)."""
+    start, end = shard_rank * flat.shard_numel, (shard_rank + 1) * flat.shard_numel
+    shard = torch.zeros(flat.shard_numel, dtype=flat.dtype, device=device)
+    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
+        lo, hi = max(start, offset), min(end, offset + numel)
+        if lo < hi:
+            entry = sources[fqn]
+            with _reading(entry):
+                _copy_range(shard[lo - start : hi - start], handles[entry.file], entry, lo - offset)
+    return shard
+
+
+def _copy_range(out: Tensor, handle: Any, entry: _Entry, lo: int) -> None:
+    """Copy elements [lo, lo + out.numel()) of the row-major tensor `entry` into `out`,
+    reading only the leading-dim rows that cover them."""
+    if not entry.shape:  # 0-d: no rows to slice
+        out.copy_(handle.get_tensor(entry.key).reshape(-1))
+        return
+    hi = lo + out.numel()
+    row = math.prod(entry.shape[1:])
+    first, last = lo // row, -(-hi // row)
+    rows = handle.get_slice(entry.key)[first:last]  # (last - first, *shape[1:]), mapped
+    out.copy_(rows.reshape(-1)[lo - first * row : hi - first * row])
+
+
+@contextlib.contextmanager
+def _reading(entry: _Entry) -> Iterator[None]:
+    """Turn an error while reading `entry`'s bytes into one that names it and its file."""
+    try:
+        yield
+    except Exception as e:
+        raise CheckpointCorrupted(
+            f"{_LOAD}: reading {entry.key!r} from "
+            f"{entry.file} failed ({type(e).__name__}: {e}). The file is damaged or "
+            f"incomplete; save or download it again."
+        ) from e
+
+
+_RAISED = {
+    c.__name__: c for c in (CheckpointCorrupted, FileNotFoundError, OSError, ValueError, TypeError)
+}
+
+
+def _agree(problem: Exception | None, group: Any, where: str) -> None:
+    """Raise on every rank of `group` if any rank met a problem, with the first failing
+    rank's exception type and each distinct message (naming the ranks that met it unless
+    all did). One all-gather of a flag when none did."""
+    flags = collectives.all_gather_ints([int(problem is not None)], group)
+    if not any(row[0] for row in flags):
+        return
+    mine = None if problem is None else (type(problem).__name__, str(problem))
+    reports = collectives.all_gather_object(mine, group)
+    ranks_of: dict[str, list[int]] = {}
+    for rank, report in zip(collectives.group_ranks(group), reports, strict=True):
+        if report is not None:
+            ranks_of.setdefault(report[1].removeprefix(f"{where}: "), []).append(rank)
+    if len(ranks_of) == 1 and all(reports):
+        text = f"{where}: {next(iter(ranks_of))}"
+    else:
+        text = f"{where}: " + "\n".join(
+            f"on rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {message}"
+            for message, r in ranks_of.items()
+        )
+    kind = next(report[0] for report in reports if report is not None)
+    raise _RAISED.get(kind, RuntimeError)(text) from problem
+
+
+def save_hf(
+    path: str | os.PathLike,
+    state: ShardedState,
+    config: Any = None,
+    max_shard_size: int | str = "5GB",  # transformers 4's default; 5's is 50GB
+) -> str:
+    """Write `state` as a safetensors checkpoint that `from_pretrained` and
+    `safetensors.torch.load_file` read, from any mesh; returns `path`.
+
+    `config` (a transformers PretrainedConfig, or a dict) is written as `config.json`.
+    Past `max_shard_size` bytes (an int, or "500MB", "2GiB") the weights are split into
+    `model-0000k-of-0000n.safetensors` files with `model.safetensors.index.json`, as
+    `save_pretrained` splits them. Files are renamed into place only once all are written
+    (see [Note: Hugging Face checkpoints]). The mesh's first rank writes, holding one file
+    and one unit at most; every rank raises if it fails.
+
+    Communicates: one all-gather per flat buffer, one unit at a time, and two all-gathers
+    of a flag over the mesh (the second is where the other ranks wait for the writes).
+    """
+    _check_state(state, "state", _SAVE)
+    ensure_live(state, "checkpoint.save_hf")
+    limit = _size_in_bytes(max_shard_size)
+    config_text = _config_text(config)
+    root = os.fspath(path)
+    layout = state.layout
+    group = layout.mesh.group
+    order = _write_order(state)
+    files = _plan_files(order, limit)
+    writer = _Writer(root, files, dict(order)) if collectives.group_rank(group) == 0 else None
+    if writer is not None:
+        writer.prepare(config, config_text)
+    _agree(writer.report() if writer else None, group, _SAVE)
+    for unit in layout.units:
+        gathered = unshard(state, units=[unit])
+        if writer is not None:
+            writer.add(gathered)
+        del gathered  # the next unit's gather may reuse its memory
+    if writer is not None:
+        persistent = set(layout.state_dict_keys or state.buffers)
+        writer.add({f: state.replicated[f] for f in layout.replicated})
+        writer.add({n: b for n, b in state.buffers.items() if n in persistent})
+        writer.commit()
+    _agree(writer.report() if writer else None, group, _SAVE)
+    return root
+
+
+def _size_in_bytes(size: int | str) -> int:
+    """`max_shard_size` in bytes: an int, or a number and a unit (KB = 1000, KiB = 1024)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B\s*", str(size), re.IGNORECASE)
+    if not isinstance(size, str) or match is None or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"{_SAVE}: max_shard_size must be a positive int (bytes) or a size such as "
+            f"'500MB' or '2GiB', got {size!r}."
+        )
+    number, prefix, binary = match.groups()
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** "_KMGT".index(prefix.upper() or "_"))
+
+
+def _config_text(config: Any) -> str | None:
+    """config.json's text for a dict (checked before any collective), else None."""
+    if config is None or hasattr(config, "save_pretrained"):
+        return None
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            f"{_SAVE}: config must be a transformers PretrainedConfig or a dict, got "
+            f"{type(config).__name__}."
+        )
+    try:
+        return json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
+    except TypeError as e:
+        raise TypeError(f"{_SAVE}: config must be JSON-serializable, got {e}.") from e
+
+
+def _write_order(state: ShardedState) -> list[tuple[str, int]]:
+    """(key, bytes) of each tensor the export writes, in the order the ranks gather them."""
+    layout = state.layout
+    order = [
+        (fqn, numel * flat.dtype.itemsize)
+        for unit in layout.units
+        for flat in layout.flats
+        if flat.unit == unit
+        for fqn, numel in zip(flat.fqns, flat.numels, strict=True)
+    ]
+    order += [(f, state.replicated[f].nbytes) for f in layout.replicated]
+    persistent = set(layout.state_dict_keys or state.buffers)
+    order += [(n, b.nbytes) for n, b in state.buffers.items() if n in persistent]
+    return order
+
+
+def _plan_files(order: list[tuple[str, int]], limit: int) -> dict[str, list[str]]:
+    """File name -> its keys: consecutive runs of `order` of at most `limit` bytes each (a
+    tensor larger than that alone in its file), named as save_pretrained names them."""
+    runs: list[list[str]] = [[]]
+    size = 0
+    for key, nbytes in order:
+        if runs[-1] and size + nbytes > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(key)
+        size += nbytes
+    if len(runs) == 1:
+        return {WEIGHTS: runs[0]}
+    return {f"model-{i:05d}-of-{len(runs):05d}.safetensors": r for i, r in enumerate(runs, 1)}
+
+
+class _Writer:
+    """The first rank's side of `save_hf`: collects gathered tensors on the CPU and writes
+    each file once complete; remembers its first failure instead of raising, so that it
+    keeps taking part in the other ranks' gathers (see `_agree`)."""
+
+    def __init__(self, root: str, files: dict[str, list[str]], sizes: dict[str, int]) -> None:
+        self.root, self.files, self.sizes = root, files, sizes
+        self.file_of = {key: name for name, keys in files.items() for key in keys}
+        self.pending: dict[str, Tensor] = {}
+        self.written: list[str] = []
+        self.failure: Exception | None = None
+
+    def prepare(self, config: Any, config_text: str | None) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            for name in os.listdir(self.root):  # what an export that died left behind
+                if name.endswith(".tmp") and name.startswith("model"):
+                    os.remove(os.path.join(self.root, name))
+            if config_text is not None:
+                _replace_with(os.path.join(self.root, "config.json"), config_text)
+            elif config is not None:
+                config.save_pretrained(self.root)
+        except Exception as e:
+            self.failure = e
+
+    def add(self, tensors: Mapping[str, Tensor]) -> None:
+        if self.failure is not None:
+            return
+        try:
+            for key, t in tensors.items():  # own CPU copies: views would share storage
+                self.pending[key] = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
+            for name, keys in self.files.items():
+                if name not in self.written and all(k in self.pending for k in keys):
+                    self._write(name, {k: self.pending.pop(k) for k in keys})
+        except Exception as e:
+            self.failure = e
+
+    def _write(self, name: str, tensors: dict[str, Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        save_file(tensors, os.path.join(self.root, name + ".tmp"), metadata={"format": "pt"})
+        self.written.append(name)
+
+    def commit(self) -> None:
+        """Rename the files into place, write the index, delete stale files of earlier saves."""
+        try:
+            if self.failure is None:
+                unwritten = [n for n in self.files if n not in self.written]
+                if unwritten:  # a bug, not a user error: every key belongs to some unit
+                    raise RuntimeError(f"{_SAVE}: files {unwritten} were never completed.")
+                for name in self.written:
+                    os.replace(
+                        os.path.join(self.root, name + ".tmp"), os.path.join(self.root, name)
+                    )
+                if len(self.files) > 1:
+                    _replace_with(os.path.join(self.root, INDEX), self._index())
+                self._delete_stale()
+        except Exception as e:
+            self.failure = e
+        if self.failure is not None:
+            for name in self.files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.root, name + ".tmp"))
+
+    def report(self) -> OSError | None:
+        """The first failure, in words for every rank (None if there was none)."""
+        if self.failure is None:
+            return None
+        error = self.failure
+        return OSError(f"{_SAVE}: writing {self.root!r} failed: {type(error).__name__}: {error}")
+
+    def _index(self) -> str:
+        index = {
+            "metadata": {"total_size": sum(self.sizes.values())},
+            "weight_map": dict(sorted(self.file_of.items())),
+        }
+        return json.dumps(index, indent=2, sort_keys=True) + "\n"
+
+    def _delete_stale(self) -> None:
+        ours = set(self.files)
+        sharded = len(self.files) > 1
+        for name in os.listdir(self.root):
+            stale = (
+                (_SHARD_FILE.fullmatch(name) is not None and name not in ours)
+                or (name == WEIGHTS and sharded)
+                or (name == INDEX and not sharded)
+            )
+            if stale:
+                os.remove(os.path.join(self.root, name))
+
+
+def _check_state(state: Any, argument: str, where: str) -> None:
+    if not isinstance(state, ShardedState):
+        raise TypeError(
+            f"{where}: {argument} must be a ShardedState (from funcshard.shard), got "
+            f"{type(state).__name__}."
+        )
+
+
+def _replace_with(target: str, text: str) -> None:
+    """Write `text` to `target` atomically (a temporary file, then os.replace)."""
+    with open(target + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(target + ".tmp", target)
