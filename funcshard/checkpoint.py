@@ -34,7 +34,7 @@ from torch import Tensor
 
 from funcshard import collectives, integrity
 from funcshard.hf import load_hf as load_hf
-from funcshard.hf import save_hf as save_hf
+from funcshard.hf_save import save_hf as save_hf
 from funcshard.integrity import CheckpointCorrupted as CheckpointCorrupted
 from funcshard.integrity import Report as Report
 from funcshard.layout import FlatLayout, Layout

@@ -24,18 +24,18 @@ then all raise the same error. Ranks read different bytes, so a damaged byte ran
 on one rank only; without the agreement the others would return and hang in their next
 collective.
 
-Saving (`save_hf`): the units are gathered one at a time (`unshard(state, units=[unit])`, on
-every rank), and the mesh's first rank copies each gathered tensor to the CPU and writes an
-output file as soon as all its tensors are in. File boundaries are planned from the layout's
-sizes beforehand, in gather order, so that rank holds at most one file plus one unit. Tied
-parameters are written once, under their first FQN, as `save_pretrained` does
-(`from_pretrained` ties the other name back). Each file is written under a `.tmp` name and
-renamed into place only when all are written (then the index, then files of an earlier
-export that this one does not replace are deleted), so an export that fails while gathering
-or writing leaves the previous one in place (only a failure among the renames themselves
-could leave a mix). The first rank's failure reaches every rank through the same agreement,
-which is also where the other ranks wait for the files to be written.
-"""
+Saving (`save_hf`, in funcshard/hf_save.py): the units are gathered one at a time
+(`unshard(state, units=[unit])`, on every rank), and the mesh's first rank copies each
+gathered tensor to the CPU and writes an output file as soon as all its tensors are in.
+File boundaries are planned from the layout's sizes beforehand, in gather order, so that
+rank holds at most one file plus one unit. Tied parameters are written once, under their
+first FQN, as `save_pretrained` does (`from_pretrained` ties the other name back). Each
+file is written under a `.tmp` name and renamed into place only when all are written (then
+the index, then files of an earlier export that this one does not replace are deleted), so
+an export that fails while gathering or writing leaves the previous one in place (only a
+failure among the renames themselves could leave a mix). The first rank's failure reaches
+every rank through the same agreement, which is also where the other ranks wait for the
+files to be written. """
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -56,13 +56,12 @@ from funcshard import collectives
 from funcshard.integrity import CheckpointCorrupted
 from funcshard.layout import FlatLayout
 from funcshard.state import ShardedState, ensure_live
-from funcshard.transforms import unshard
 from funcshard.tree import format_names
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_LOAD, _SAVE = "funcshard.checkpoint.load_hf", "funcshard.checkpoint.save_hf"
+SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+LOAD, SAVE = "funcshard.checkpoint.load_hf", "funcshard.checkpoint.save_hf"
 
 
 @dataclass(frozen=True)
@@ -92,11 +91,11 @@ def load_hf(
     (ValueError) and for unreadable files (CheckpointCorrupted). Communicates: one
     all-gather of a flag over the mesh (and of the messages, on failure).
     """
-    _check_state(like, "like", _LOAD)
+    check_state(like, "like", LOAD)
     ensure_live(like, "checkpoint.load_hf")
     if rename is not None and not callable(rename):
         raise TypeError(
-            f"{_LOAD}: rename must be a function from checkpoint key to FQN (or None to drop "
+            f"{LOAD}: rename must be a function from checkpoint key to FQN (or None to drop "
             f"the key), got {type(rename).__name__}."
         )
     root = os.fspath(path)
@@ -108,7 +107,7 @@ def load_hf(
             loaded = _read(like, sources, handles)
     except Exception as e:
         problem = e
-    _agree(problem, like.layout.mesh.group, _LOAD)
+    agree_on_failure(problem, like.layout.mesh.group, LOAD)
     assert loaded is not None
     return loaded
 
@@ -123,7 +122,7 @@ def _files(root: str) -> tuple[list[str], dict[str, str] | None]:
     index = os.path.join(root, INDEX)
     if not os.path.isfile(index):
         raise FileNotFoundError(
-            f"{_LOAD}: {root!r} holds neither {WEIGHTS} nor {INDEX}. Pass the directory "
+            f"{LOAD}: {root!r} holds neither {WEIGHTS} nor {INDEX}. Pass the directory "
             f"save_pretrained wrote (safe_serialization=True), or one .safetensors file."
         )
     try:
@@ -134,7 +133,7 @@ def _files(root: str) -> tuple[list[str], dict[str, str] | None]:
             raise ValueError(f"file names must be plain names in the directory, got {names}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointCorrupted(
-            f"{_LOAD}: {index} is not a valid index ({type(e).__name__}: {e}). Save or "
+            f"{LOAD}: {index} is not a valid index ({type(e).__name__}: {e}). Save or "
             f"download the checkpoint again."
         ) from e
     return [os.path.join(root, n) for n in names], weight_map
@@ -152,7 +151,7 @@ def _headers(root: str, stack: ExitStack) -> tuple[dict[str, Any], dict[str, _En
         except Exception as e:  # SafetensorError for a damaged or truncated file
             missing = isinstance(e, FileNotFoundError) or not os.path.exists(file)
             raise CheckpointCorrupted(
-                f"{_LOAD}: {file} "
+                f"{LOAD}: {file} "
                 + ("is missing, though the index names it" if missing else f"is unreadable: {e}")
                 + ". The checkpoint is damaged or incomplete (an interrupted save or "
                 "download?); save or download it again."
@@ -160,7 +159,7 @@ def _headers(root: str, stack: ExitStack) -> tuple[dict[str, Any], dict[str, _En
         for key in handle.keys():  # noqa: SIM118 (a safe_open handle is no dict)
             if key in entries:
                 raise CheckpointCorrupted(
-                    f"{_LOAD}: {key!r} is in both {entries[key].file} and {file}. Save or "
+                    f"{LOAD}: {key!r} is in both {entries[key].file} and {file}. Save or "
                     f"download the checkpoint again."
                 )
             entries[key] = _Entry(file, key, tuple(handle.get_slice(key).get_shape()))
@@ -172,7 +171,7 @@ def _headers(root: str, stack: ExitStack) -> tuple[dict[str, Any], dict[str, _En
         ]
         if lacking:
             raise CheckpointCorrupted(
-                f"{_LOAD}: {os.path.join(root, INDEX)} names tensors its files lack: "
+                f"{LOAD}: {os.path.join(root, INDEX)} names tensors its files lack: "
                 f"{format_names(lacking)}. Save or download the checkpoint again."
             )
     return handles, entries
@@ -206,11 +205,11 @@ def _sources(
             continue
         if not isinstance(fqn, str):
             raise TypeError(
-                f"{_LOAD}: rename({key!r}) must return an FQN (str) or None, got {fqn!r}."
+                f"{LOAD}: rename({key!r}) must return an FQN (str) or None, got {fqn!r}."
             )
         if fqn in named:
             raise ValueError(
-                f"{_LOAD}: rename maps both {named[fqn].key!r} and {key!r} to {fqn!r}. Map "
+                f"{LOAD}: rename maps both {named[fqn].key!r} and {key!r} to {fqn!r}. Map "
                 f"each key to its own FQN, or drop one (return None)."
             )
         named[fqn] = entry
@@ -238,7 +237,7 @@ def _sources(
     ]
     if missing or unexpected or wrong:
         raise ValueError(
-            f"{_LOAD}: {root!r} does not match the state: missing "
+            f"{LOAD}: {root!r} does not match the state: missing "
             f"{format_names(missing) or 'none'}; unexpected {format_names(unexpected) or 'none'}"
             f"; shape differs for {format_names(wrong) or 'none'}. Load a checkpoint of the "
             f"same model configuration; map or drop checkpoint keys with rename=(key -> FQN "
@@ -305,7 +304,7 @@ def _reading(entry: _Entry) -> Iterator[None]:
         yield
     except Exception as e:
         raise CheckpointCorrupted(
-            f"{_LOAD}: reading {entry.key!r} from "
+            f"{LOAD}: reading {entry.key!r} from "
             f"{entry.file} failed ({type(e).__name__}: {e}). The file is damaged or "
             f"incomplete; save or download it again."
         ) from e
@@ -316,7 +315,7 @@ _RAISED = {
 }
 
 
-def _agree(problem: Exception | None, group: Any, where: str) -> None:
+def agree_on_failure(problem: Exception | None, group: Any, where: str) -> None:
     """Raise on every rank of `group` if any rank met a problem, with the first failing
     rank's exception type and each distinct message (naming the ranks that met it unless
     all did). One all-gather of a flag when none did."""
@@ -340,215 +339,9 @@ def _agree(problem: Exception | None, group: Any, where: str) -> None:
     raise _RAISED.get(kind, RuntimeError)(text) from problem
 
 
-def save_hf(
-    path: str | os.PathLike,
-    state: ShardedState,
-    config: Any = None,
-    max_shard_size: int | str = "5GB",  # transformers 4's default; 5's is 50GB
-) -> str:
-    """Write `state` as a safetensors checkpoint that `from_pretrained` and
-    `safetensors.torch.load_file` read, from any mesh; returns `path`.
-
-    `config` (a transformers PretrainedConfig, or a dict) is written as `config.json`.
-    Past `max_shard_size` bytes (an int, or "500MB", "2GiB") the weights are split into
-    `model-0000k-of-0000n.safetensors` files with `model.safetensors.index.json`, as
-    `save_pretrained` splits them. Files are renamed into place only once all are written
-    (see [Note: Hugging Face checkpoints]). The mesh's first rank writes, holding one file
-    and one unit at most; every rank raises if it fails.
-
-    Communicates: one all-gather per flat buffer, one unit at a time, and two all-gathers
-    of a flag over the mesh (the second is where the other ranks wait for the writes).
-    """
-    _check_state(state, "state", _SAVE)
-    ensure_live(state, "checkpoint.save_hf")
-    limit = _size_in_bytes(max_shard_size)
-    config_text = _config_text(config)
-    root = os.fspath(path)
-    layout = state.layout
-    group = layout.mesh.group
-    order = _write_order(state)
-    files = _plan_files(order, limit)
-    writer = _Writer(root, files, dict(order)) if collectives.group_rank(group) == 0 else None
-    if writer is not None:
-        writer.prepare(config, config_text)
-    _agree(writer.report() if writer else None, group, _SAVE)
-    for unit in layout.units:
-        gathered = unshard(state, units=[unit])
-        if writer is not None:
-            writer.add(gathered)
-        del gathered  # the next unit's gather may reuse its memory
-    if writer is not None:
-        persistent = set(layout.state_dict_keys or state.buffers)
-        writer.add({f: state.replicated[f] for f in layout.replicated})
-        writer.add({n: b for n, b in state.buffers.items() if n in persistent})
-        writer.commit()
-    _agree(writer.report() if writer else None, group, _SAVE)
-    return root
-
-
-def _size_in_bytes(size: int | str) -> int:
-    """`max_shard_size` in bytes: an int, or a number and a unit (KB = 1000, KiB = 1024)."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B\s*", str(size), re.IGNORECASE)
-    if not isinstance(size, str) or match is None or float(match.group(1)) <= 0:
-        raise ValueError(
-            f"{_SAVE}: max_shard_size must be a positive int (bytes) or a size such as "
-            f"'500MB' or '2GiB', got {size!r}."
-        )
-    number, prefix, binary = match.groups()
-    base = 1024 if binary else 1000
-    return int(float(number) * base ** "_KMGT".index(prefix.upper() or "_"))
-
-
-def _config_text(config: Any) -> str | None:
-    """config.json's text for a dict (checked before any collective), else None."""
-    if config is None or hasattr(config, "save_pretrained"):
-        return None
-    if not isinstance(config, Mapping):
-        raise TypeError(
-            f"{_SAVE}: config must be a transformers PretrainedConfig or a dict, got "
-            f"{type(config).__name__}."
-        )
-    try:
-        return json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
-    except TypeError as e:
-        raise TypeError(f"{_SAVE}: config must be JSON-serializable, got {e}.") from e
-
-
-def _write_order(state: ShardedState) -> list[tuple[str, int]]:
-    """(key, bytes) of each tensor the export writes, in the order the ranks gather them."""
-    layout = state.layout
-    order = [
-        (fqn, numel * flat.dtype.itemsize)
-        for unit in layout.units
-        for flat in layout.flats
-        if flat.unit == unit
-        for fqn, numel in zip(flat.fqns, flat.numels, strict=True)
-    ]
-    order += [(f, state.replicated[f].nbytes) for f in layout.replicated]
-    persistent = set(layout.state_dict_keys or state.buffers)
-    order += [(n, b.nbytes) for n, b in state.buffers.items() if n in persistent]
-    return order
-
-
-def _plan_files(order: list[tuple[str, int]], limit: int) -> dict[str, list[str]]:
-    """File name -> its keys: consecutive runs of `order` of at most `limit` bytes each (a
-    tensor larger than that alone in its file), named as save_pretrained names them."""
-    runs: list[list[str]] = [[]]
-    size = 0
-    for key, nbytes in order:
-        if runs[-1] and size + nbytes > limit:
-            runs.append([])
-            size = 0
-        runs[-1].append(key)
-        size += nbytes
-    if len(runs) == 1:
-        return {WEIGHTS: runs[0]}
-    return {f"model-{i:05d}-of-{len(runs):05d}.safetensors": r for i, r in enumerate(runs, 1)}
-
-
-class _Writer:
-    """The first rank's side of `save_hf`: collects gathered tensors on the CPU and writes
-    each file once complete; remembers its first failure instead of raising, so that it
-    keeps taking part in the other ranks' gathers (see `_agree`)."""
-
-    def __init__(self, root: str, files: dict[str, list[str]], sizes: dict[str, int]) -> None:
-        self.root, self.files, self.sizes = root, files, sizes
-        self.file_of = {key: name for name, keys in files.items() for key in keys}
-        self.pending: dict[str, Tensor] = {}
-        self.written: list[str] = []
-        self.failure: Exception | None = None
-
-    def prepare(self, config: Any, config_text: str | None) -> None:
-        try:
-            os.makedirs(self.root, exist_ok=True)
-            for name in os.listdir(self.root):  # what an export that died left behind
-                if name.endswith(".tmp") and name.startswith("model"):
-                    os.remove(os.path.join(self.root, name))
-            if config_text is not None:
-                _replace_with(os.path.join(self.root, "config.json"), config_text)
-            elif config is not None:
-                config.save_pretrained(self.root)
-        except Exception as e:
-            self.failure = e
-
-    def add(self, tensors: Mapping[str, Tensor]) -> None:
-        if self.failure is not None:
-            return
-        try:
-            for key, t in tensors.items():  # own CPU copies: views would share storage
-                self.pending[key] = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
-            for name, keys in self.files.items():
-                if name not in self.written and all(k in self.pending for k in keys):
-                    self._write(name, {k: self.pending.pop(k) for k in keys})
-        except Exception as e:
-            self.failure = e
-
-    def _write(self, name: str, tensors: dict[str, Tensor]) -> None:
-        from safetensors.torch import save_file
-
-        save_file(tensors, os.path.join(self.root, name + ".tmp"), metadata={"format": "pt"})
-        self.written.append(name)
-
-    def commit(self) -> None:
-        """Rename the files into place, write the index, delete stale files of earlier saves."""
-        try:
-            if self.failure is None:
-                unwritten = [n for n in self.files if n not in self.written]
-                if unwritten:  # a bug, not a user error: every key belongs to some unit
-                    raise RuntimeError(f"{_SAVE}: files {unwritten} were never completed.")
-                for name in self.written:
-                    os.replace(
-                        os.path.join(self.root, name + ".tmp"), os.path.join(self.root, name)
-                    )
-                if len(self.files) > 1:
-                    _replace_with(os.path.join(self.root, INDEX), self._index())
-                self._delete_stale()
-        except Exception as e:
-            self.failure = e
-        if self.failure is not None:
-            for name in self.files:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(self.root, name + ".tmp"))
-
-    def report(self) -> OSError | None:
-        """The first failure, in words for every rank (None if there was none)."""
-        if self.failure is None:
-            return None
-        error = self.failure
-        return OSError(f"{_SAVE}: writing {self.root!r} failed: {type(error).__name__}: {error}")
-
-    def _index(self) -> str:
-        index = {
-            "metadata": {"total_size": sum(self.sizes.values())},
-            "weight_map": dict(sorted(self.file_of.items())),
-        }
-        return json.dumps(index, indent=2, sort_keys=True) + "\n"
-
-    def _delete_stale(self) -> None:
-        ours = set(self.files)
-        sharded = len(self.files) > 1
-        for name in os.listdir(self.root):
-            stale = (
-                (_SHARD_FILE.fullmatch(name) is not None and name not in ours)
-                or (name == WEIGHTS and sharded)
-                or (name == INDEX and not sharded)
-            )
-            if stale:
-                os.remove(os.path.join(self.root, name))
-
-
-def _check_state(state: Any, argument: str, where: str) -> None:
+def check_state(state: Any, argument: str, where: str) -> None:
     if not isinstance(state, ShardedState):
         raise TypeError(
             f"{where}: {argument} must be a ShardedState (from funcshard.shard), got "
             f"{type(state).__name__}."
         )
-
-
-def _replace_with(target: str, text: str) -> None:
-    """Write `text` to `target` atomically (a temporary file, then os.replace)."""
-    with open(target + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(target + ".tmp", target)
