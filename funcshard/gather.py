@@ -140,6 +140,13 @@ def specs_and_sinks(
     if comm is not None and not isinstance(comm, Comm):
         raise TypeError(f"funcshard.call: comm must be a funcshard.Comm, got {comm!r}.")
     layout = state.layout
+    if comm is not None and layout.mesh.shard_size == 1 and layout.mesh.replicate_size > 1:
+        raise ValueError(
+            "funcshard.Comm: this state is replicated (DDP: its shard axis has one rank), and "
+            "a Comm's gather and reduce work over the shard axis, so they would never run. "
+            "There is no user hook for the all-reduce across replicas yet; shard the state "
+            "(fs.shard, or an HSDP mesh) to use a Comm."
+        )
     specs = tuple(GatherSpec(flat, layout.mesh, state.mp, reduction, comm) for flat in layout.flats)
     sinks = state.sinks if differentiated and state.sinks is not None else None
     return specs, sinks if sinks is not None else (None,) * len(specs)

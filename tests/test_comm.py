@@ -259,3 +259,21 @@ def test_diloco_with_one_inner_step_is_plain_hsdp_sgd():
     for r in results:
         for a, b in zip(r["diloco"], r["plain"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def _comm_on_a_replicated_state(rank: int) -> str:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2))
+    state = fs.replicate(model, fs.Mesh(replicate=2))
+    x, y = random_tokens(GPTConfig(n_layer=2), 2, seed=rank)
+    try:
+        fs.value_and_grad(functools.partial(_loss, model), comm=EXACT)(state, x, y)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_comm_on_a_replicated_state_is_refused_not_silently_skipped():
+    """A DDP state's shard axis has one rank, where a Comm's functions would never run."""
+    for message in testing.run(_comm_on_a_replicated_state, world_size=2):
+        assert "would never run" in message and "fs.shard" in message, message

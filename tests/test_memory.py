@@ -106,7 +106,10 @@ def test_live_tensor_bytes_stay_flat_across_steps(replicate):
     """Regression: hooks on parameter leaves closed a cycle through C++ that Python's garbage
     collector cannot see, so every step leaked its gathered buffers and gradients."""
     for sizes in testing.run(functools.partial(_bytes_over_steps, replicate), world_size=2):
-        assert sizes[1] == sizes[2] == sizes[3], sizes
+        # a leak grows by a step's gathered buffers and gradients (hundreds of KB here) every
+        # step; a few bytes either way are small tensors of earlier calls in this worker
+        # process let go of at their own pace (seen in the full suite: 8 bytes freed at step 3)
+        assert max(sizes[1:]) - min(sizes[1:]) <= 64, sizes
 
 
 def _runs_left(rank: int) -> list:
