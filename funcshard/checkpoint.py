@@ -19,6 +19,7 @@ written as JSON, so loading unpickles nothing. What a load checks before it read
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -84,7 +85,7 @@ def save(
     index = _next_index(root, group)
     name = f"step-{step}-{index}" if step is not None else f"save-{index}"
     target = os.path.join(root, name)
-    collectives.dcp_save(_to_dcp(state, opt_state), target)
+    collectives.dcp_save(_to_dcp(_first_ranks_buffers(state), opt_state), target)
     chunk_records = _checksummed(target, group) if checksums else None
     failed = None
     if first:
@@ -427,6 +428,21 @@ def _refuse(path: str, leaf: Any) -> None:
         f"torch.utils._pytree.register_dataclass; or optree.register_pytree_node), or "
         f"make it a NamedTuple or a dict."
     )
+
+
+def _first_ranks_buffers(state: ShardedState) -> ShardedState:
+    """`state` holding the mesh's first rank's buffers: each rank's own (BatchNorm's running
+    statistics) may differ, and DCP writes a tensor that several ranks hold from whichever
+    rank it picks, so every rank saves the first rank's, as `full_state_dict` returns them.
+    Communicates: one broadcast per buffer."""
+    mesh = state.layout.mesh
+    if mesh.size == 1 or not state.buffers:
+        return state
+    first = {
+        n: collectives.broadcast(b, mesh.group, src_rank=mesh.ranks[0])
+        for n, b in state.buffers.items()
+    }
+    return dataclasses.replace(state, buffers=first)
 
 
 def _to_dcp(state: ShardedState, opt_state: Any, zeros: bool = False) -> dict[str, Any]:

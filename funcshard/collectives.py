@@ -533,22 +533,11 @@ def global_size(tensor: Any) -> tuple[int, ...]:
 
 
 def dcp_save(state_dict: dict[str, Any], directory: str) -> None:
-    """Save through torch.distributed.checkpoint; every rank writes its own pieces, and the
-    lowest rank holding a tensor that several hold (buffers, replicated parameters) writes it.
-
-    DCP's default gives each such tensor to the rank whose share of the writing is smallest
-    so far: for tensors that differ across ranks (BatchNorm's running statistics, which are
-    each rank's own) a checkpoint would hold some rank's, or a mix of ranks' from one tensor
-    to the next. The lowest rank's are what `full_state_dict` returns too. The cost: the
-    tensors every replica holds (HSDP's shards, DDP's parameters) are written by the first
-    replica alone, as `torch.save` on rank 0 would, instead of spread over the replicas.
-    """
+    """Save through torch.distributed.checkpoint; every rank writes its own pieces."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner
 
-    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     with _quiet_sharded_tensor():
-        dcp.save(state_dict, checkpoint_id=directory, planner=planner)
+        dcp.save(state_dict, checkpoint_id=directory)
 
 
 class CheckpointReadError(RuntimeError):
