@@ -171,7 +171,9 @@ class WorkerPool:
         """Send `fn` to every rank and collect the results; see `funcshard.testing.run`."""
         payload = _dumps_task(fn)
         for conn in self._conns:
-            conn.send_bytes(payload)
+            # a rank already gone (one that died starting up) is reported by _collect
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                conn.send_bytes(payload)
         replies = self._collect(_name(fn), timeout)
         errors = {r: reply for r, reply in replies.items() if reply[0] == "error"}
         if errors:
