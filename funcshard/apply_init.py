@@ -108,18 +108,18 @@ def init_applied(
         starts.setdefault(calls[0], []).append(fqn)
         ends.setdefault(calls[-1], []).append(fqn)
     for fqn in slots.keys() - writers.keys():
-        current = _get(slots[fqn][0])
+        current = get_slot(slots[fqn][0])
         if current.is_meta:
             uninitialized.append(fqn)
         else:  # a real tensor of a partly materialized model that no call writes
             put(fqn, current.detach().clone())
     for i, (_, module) in enumerate(order):
         for fqn in starts.get(i, ()):
-            _fill(slots[fqn], device)
+            fill_slots(slots[fqn], device)
         with torch.no_grad():
             fn(module)
         for fqn in ends.get(i, ()):
-            value = _get(slots[fqn][0])
+            value = get_slot(slots[fqn][0])
             if value.is_meta or still_sentinel(value, anywhere=True):
                 uninitialized.append(fqn)
             else:
@@ -135,15 +135,15 @@ def _rehearse(work: nn.Module, fn: PerModule, order: list[tuple[str, nn.Module]]
     slots = holders(copies[id(work)])
     writers: dict[str, list[int]] = {}
     for i, (_, module) in enumerate(order):
-        before = {fqn: _get(s[0]) for fqn, s in slots.items()}
+        before = {fqn: get_slot(s[0]) for fqn, s in slots.items()}
         storage = {_storage_id(t): fqn for fqn, t in before.items()}
         with torch.no_grad(), _Writes() as written:
             fn(copies[id(module)])
         for fqn, t in before.items():
-            replaced = any(_get(slot) is not t for slot in slots[fqn])
+            replaced = any(get_slot(slot) is not t for slot in slots[fqn])
             if replaced:  # ties are kept: every holder gets what the first one has now
                 for slot in slots[fqn][1:]:
-                    _set(slot, _get(slots[fqn][0]))
+                    _set(slot, get_slot(slots[fqn][0]))
             if replaced or (storage.get(_storage_id(t)) == fqn and _storage_id(t) in written):
                 writers.setdefault(fqn, []).append(i)
     return writers
@@ -154,7 +154,7 @@ def _all_meta_copy(work: nn.Module) -> dict[int, nn.Module]:
     its copy."""
     twin = copy.deepcopy(work)
     for slots in holders(twin).values():
-        meta = _as_meta(_get(slots[0]))
+        meta = _as_meta(get_slot(slots[0]))
         for slot in slots:
             _set(slot, meta)
     return {id(a): b for a, b in zip(work.modules(), twin.modules(), strict=True)}
@@ -183,9 +183,9 @@ def _storage_id(t: Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _fill(slots: list[Slot], device: torch.device) -> None:
+def fill_slots(slots: list[Slot], device: torch.device) -> None:
     """Give every holder of a meta tensor one and the same sentinel-filled tensor."""
-    meta = _get(slots[0])
+    meta = get_slot(slots[0])
     if not meta.is_meta:
         return
     value = sentinel(meta, device)
@@ -200,7 +200,7 @@ def _as_meta(t: Tensor) -> Tensor:
     return nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
 
 
-def _get(slot: Slot) -> Tensor:
+def get_slot(slot: Slot) -> Tensor:
     module, name = slot
     return module._parameters[name] if name in module._parameters else module._buffers[name]
 

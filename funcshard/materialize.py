@@ -58,7 +58,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from funcshard.apply_init import PerModule, init_applied, sentinel, still_sentinel
+from funcshard.apply_init import (
+    PerModule,
+    fill_slots,
+    get_slot,
+    holders,
+    init_applied,
+    sentinel,
+    still_sentinel,
+)
 from funcshard.layout import FlatLayout, Layout
 from funcshard.tree import format_names, join_fqn
 
@@ -292,21 +300,14 @@ def _init_whole(
             put(fqn, value.detach())
 
 
-def _fill_with_sentinels(work: nn.Module, device: torch.device) -> dict[str, tuple[Tensor, int]]:
-    """Replace each meta tensor of `work` by one sentinel tensor, shared by all its holders;
-    return them by first FQN with their version counters."""
-    first_fqn = {id(p): n for n, p in work.named_parameters()}
-    first_fqn.update({id(b): n for n, b in work.named_buffers()})
-    made: dict[int, Tensor] = {}
-    fresh: dict[str, tuple[Tensor, int]] = {}
-    for prefix, module in work.named_modules(remove_duplicate=False):
-        for name, meta, is_param in _own_meta(module):
-            if id(meta) not in made:
-                tensor = sentinel(meta, device)
-                obj = nn.Parameter(tensor, meta.requires_grad) if is_param else tensor
-                made[id(meta)] = obj
-                fresh[first_fqn.get(id(meta), join_fqn(prefix, name))] = (obj, obj._version)
-            setattr(module, name, made[id(meta)])
+def _fill_with_sentinels(work: nn.Module, device: torch.device) -> set[str]:
+    """Give every holder of each meta tensor of `work` one and the same sentinel tensor (ties
+    kept); return their first FQNs."""
+    fresh = set()
+    for fqn, slots in holders(work).items():
+        if get_slot(slots[0]).is_meta:
+            fill_slots(slots, device)
+            fresh.add(fqn)
     return fresh
 
 
