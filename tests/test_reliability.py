@@ -4,8 +4,11 @@ import functools
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -525,3 +528,29 @@ def test_collective_errors_name_the_root_unit_whose_name_is_empty():
     assert collectives.unit_words("") == " of the root unit"
     assert collectives.unit_words("blocks.0") == " of unit 'blocks.0'"
     assert collectives.unit_words(None) == ""
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_a_forced_hang_prints_each_ranks_last_collective():
+    """Outside fs.testing.run too: rank 1 skips unit 'blocks.1''s all-gather and waits in a
+    collective rank 0 never joins; each rank's CollectiveError, printed as the job fails,
+    names the last funcshard collective it issued (op, unit, ranks, size), where the two
+    sequences parted."""
+    script = Path(__file__).parent / "scripts" / "torchrun_hang.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=100, env=env)
+    assert out.returncode != 0
+    err = out.stderr
+    assert "rank 0: all_gather of unit 'blocks.1' over ranks [0, 1] did not complete" in err, err
+    assert re.search(
+        r"\[rank0\]: The last funcshard collective this rank issued: #\d+, all_gather of unit "
+        r"'blocks\.1' over ranks \[0, 1\]: \d+ x torch\.float32",
+        err,
+    ), err[-3000:]
+    assert "rank 1: all_reduce over ranks [0, 1] did not complete" in err, err[-3000:]
+    assert re.search(
+        r"\[rank1\]: The last funcshard collective this rank issued: #\d+, all_reduce over "
+        r"ranks \[0, 1\]: 5 x torch\.float32",
+        err,
+    ), err[-3000:]

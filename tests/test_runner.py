@@ -213,7 +213,73 @@ def test_a_script_without_a_main_guard_is_told_so(tmp_path):
     assert "could not start" in from_file.stderr
     assert 'if __name__ == "__main__":' in from_file.stderr.splitlines()[-1]
     from_stdin = subprocess.run(
-        [sys.executable, "-"], input=_UNGUARDED_SCRIPT, capture_output=True, text=True,
-        timeout=120, cwd=tmp_path,
+        [sys.executable, "-"],
+        input=_UNGUARDED_SCRIPT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert "'<stdin>', not a file" in from_stdin.stderr.splitlines()[-1]
+
+
+_CRASHING_ONCE = """
+import os
+
+from funcshard import testing
+
+FLAG = os.path.join(os.path.dirname(__file__), "crashed")
+
+
+def crash_once(rank):
+    if rank == 1 and not os.path.exists(FLAG):
+        open(FLAG, "w").close()
+        os.abort()  # as glibc does when it finds the heap corrupt
+    return rank
+
+
+def always_wrong(rank):
+    return rank
+
+
+def test_crashes_once():
+    assert testing.run(crash_once, world_size=2) == [0, 1]
+
+
+def test_wrong_answer():
+    assert testing.run(always_wrong, world_size=2) == [0, 0]
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_test_whose_rank_died_of_a_signal_reruns_once_on_fresh_ranks_a_wrong_answer_never(
+    tmp_path,
+):
+    """The suite's pytest settings (pyproject.toml) rerun a test once when a rank died of a
+    signal (gloo's own heap corruption, scripts/gloo_heap_repro.py), and only then: a test
+    that fails on its assertion fails at once, and the rerun is reported."""
+    (tmp_path / "test_crash.py").write_text(_CRASHING_ONCE)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            os.path.join(root, "pyproject.toml"),
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=tmp_path,
+    )
+    summary = done.stdout.strip().splitlines()[-1]
+    assert "1 failed, 1 passed, 1 rerun" in summary, done.stdout[-3000:]
+    assert "RERUN test_crash.py::test_crashes_once" in done.stdout
+    assert "FAILED test_crash.py::test_wrong_answer" in done.stdout

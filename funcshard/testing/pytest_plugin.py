@@ -30,15 +30,20 @@ def _pytest_timeout(item: pytest.Item) -> float | None:
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    # collection imported the test modules: if none uses the runner, there is nothing to do
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    # Set at each attempt's setup, where pytest-timeout's clock starts (a rerun of the test
+    # by pytest-rerunfailures gets a deadline of its own). Collection imported the test
+    # modules: if none uses the runner, there is nothing to do.
     runner = sys.modules.get("funcshard.testing.runner")
     timeout = _pytest_timeout(item) if runner is not None else None
-    if runner is None or timeout is None:
-        yield
-        return
-    runner.DEADLINE = time.monotonic() + timeout
-    try:
-        yield
-    finally:
+    if runner is not None and timeout is not None:
+        runner.DEADLINE = time.monotonic() + timeout
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield
+    runner = sys.modules.get("funcshard.testing.runner")
+    if runner is not None:
         runner.DEADLINE = None
