@@ -98,10 +98,13 @@ class CollectiveError(RuntimeError):
 class Pending:
     """A collective in flight; `wait()` returns its result (and is cheap to call again).
 
-    `chunk_into` (a reduce-scatter done as an all-reduce, see `reduce_scatter`): the tensor
-    this rank's chunk of the reduced buffer is copied into once it lands."""
+    `work`: the torch.distributed Work of a collective issued through the c10d API (gloo,
+    see [Note: gloo collectives through Work objects]); without one, `tensor` came from a
+    functional op and `wait_tensor` waits for it. `chunk_into` (a reduce-scatter done as an
+    all-reduce, see `reduce_scatter`): the tensor this rank's chunk of the reduced buffer is
+    copied into once it lands."""
 
-    __slots__ = ("_chunk_into", "_done", "_group", "_op", "_tensor", "_what")
+    __slots__ = ("_chunk_into", "_done", "_group", "_op", "_tensor", "_what", "_work")
 
     def __init__(
         self,
@@ -111,18 +114,24 @@ class Pending:
         group: ProcessGroup | None = None,
         what: str | None = None,
         chunk_into: Tensor | None = None,
+        work: dist.Work | None = None,
     ) -> None:
         self._tensor = tensor
         self._done = done
         self._op, self._group, self._what = op, group, what
         self._chunk_into = chunk_into
+        self._work = work
 
     def wait(self) -> Tensor:
         if not self._done:
             chaos.point()
             try:  # a collective's failure (timeout, a peer gone) surfaces here
-                with _below_autograd():
-                    self._tensor = _ops.wait_tensor(self._tensor)
+                if self._work is not None:
+                    self._work.wait()
+                    self._work = None  # it holds the collective's tensors
+                else:
+                    with _below_autograd():
+                        self._tensor = _ops.wait_tensor(self._tensor)
             except RuntimeError as e:
                 raise _failed(self._op, self._group, self._what, e) from e
             if self._chunk_into is not None:
@@ -147,6 +156,11 @@ def all_gather(shard: Tensor, group: ProcessGroup, what: str | None = None) -> P
     if group.size() == 1:
         return Pending(shard, done=True)
     _before("all_gather", group, shard, what)
+    if _through_work(group, shard):
+        out = shard.new_empty(shard.numel() * group.size())
+        with _below_autograd():
+            work = _all_gather_single(out, shard, group=group, async_op=True)
+        return Pending(out, op="all_gather", group=group, what=what, work=work)
     with _below_autograd():
         out = _ops.all_gather_into_tensor(shard, group.size(), group.group_name)
     return Pending(out, op="all_gather", group=group, what=what)
@@ -167,15 +181,40 @@ def reduce_scatter(
     if group.size() == 1:
         return Pending(flat, done=True)
     _before("reduce_scatter", group, flat, what)
-    if _is_gloo(group) and not _traced(flat):
+    if _through_work(group, flat):
         buffer = flat if owned else flat.clone()
         chunk = flat.new_empty(flat.numel() // group.size())
         with _below_autograd():
-            reduced = _ops.all_reduce_(buffer, op, group.group_name)
-        return Pending(reduced, op="reduce_scatter", group=group, what=what, chunk_into=chunk)
+            work = dist.all_reduce(buffer, op=_REDUCE_OPS[op], group=group, async_op=True)
+        return Pending(
+            buffer, op="reduce_scatter", group=group, what=what, chunk_into=chunk, work=work
+        )
     with _below_autograd():
         out = _ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name)
     return Pending(out, op="reduce_scatter", group=group, what=what)
+
+
+# [Note: gloo collectives through Work objects]
+# On gloo, an eager collective goes through torch.distributed's own async API, and its
+# Pending holds the Work until it is waited; traced steps, and NCCL, keep the functional ops
+# (graphs need them; their stream semantics are what the CUDA path is built on). torch's
+# gloo backend under the functional ops (`_c10d_functional.*` then `wait_tensor`) now and
+# then corrupts the heap of a process when collectives overlap on a loaded machine: glibc's
+# "malloc(): unaligned tcache chunk detected" or a segmentation fault inside `wait_tensor`.
+# scripts/gloo_heap_repro.py reproduces it with torch alone (no funcshard) and runs the
+# same stream of collectives through the Work API, which never crashed (figures there).
+# Same bytes on the wire, same order, same results.
+
+
+def _through_work(group: ProcessGroup, tensor: Tensor) -> bool:
+    """Whether to issue on `group` through the c10d Work API (eager gloo) rather than the
+    functional ops."""
+    return _is_gloo(group) and not _traced(tensor)
+
+
+_REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
+# torch 2.13 renamed all_gather_into_tensor (which now warns) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _traced(tensor: Tensor) -> bool:
@@ -218,6 +257,11 @@ def all_reduce(
     if group.size() == 1:
         return Pending(tensor, done=True)
     _before("all_reduce", group, tensor, what)
+    if _through_work(group, tensor):
+        out = tensor if inplace else tensor.clone(memory_format=torch.contiguous_format)
+        with _below_autograd():
+            work = dist.all_reduce(out, op=_REDUCE_OPS[op], group=group, async_op=True)
+        return Pending(out, op="all_reduce", group=group, what=what, work=work)
     reduce = _ops.all_reduce_ if inplace else _ops.all_reduce
     with _below_autograd():
         out = reduce(tensor, op, group.group_name)
@@ -230,6 +274,11 @@ def all_to_all(tensor: Tensor, group: ProcessGroup, what: str | None = None) -> 
     if group.size() == 1:
         return Pending(tensor, done=True)
     _before("all_to_all", group, tensor, what)
+    if _through_work(group, tensor):
+        out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        with _below_autograd():
+            work = dist.all_to_all_single(out, tensor.contiguous(), group=group, async_op=True)
+        return Pending(out, op="all_to_all", group=group, what=what, work=work)
     splits = [tensor.shape[0] // group.size()] * group.size()
     with _below_autograd():
         out = _ops.all_to_all_single(tensor, splits, splits, group.group_name)
@@ -387,9 +436,14 @@ def _agree(op: str, group: ProcessGroup, tensor: Tensor, what: str | None) -> No
     code = [_OP_CODES[op], tensor.numel(), zlib.crc32(f"{tensor.dtype}|{what}".encode())]
     local = torch.tensor(code, dtype=torch.int64, device=tensor.device)
     try:
-        rows = _ops.wait_tensor(
-            _ops.all_gather_into_tensor(local, group.size(), group.group_name)
-        ).view(group.size(), len(code))
+        if _through_work(group, local):
+            rows = local.new_empty(group.size() * len(code))
+            _all_gather_single(rows, local, group=group)
+        else:
+            rows = _ops.wait_tensor(
+                _ops.all_gather_into_tensor(local, group.size(), group.group_name)
+            )
+        rows = rows.view(group.size(), len(code))
     except RuntimeError as e:
         raise _failed(f"collective check before {op}", group, what, e) from e
     if bool((rows == rows[0]).all()):

@@ -80,13 +80,15 @@ class LiveTensors(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
 
     def _track(self, tensor: torch.Tensor, watched: bool) -> None:
-        if id(tensor) in self._seen:  # an in-place op returns its input: counted already
-            return
         try:
             storage = tensor.untyped_storage()
             ptr = storage._cdata
         except (RuntimeError, NotImplementedError):
             return  # a wrapper without storage of its own (e.g. FSDP2's parameter wrappers)
+        if id(tensor) in self._seen:  # an in-place op returns its input: counted already
+            if watched and ptr in self._users:  # (gloo's all-gather fills a tensor made first)
+                self._watched.add(ptr)
+            return
         if ptr not in self._users:
             self._users[ptr] = 0
             self._bytes[ptr] = storage.nbytes()
@@ -107,5 +109,7 @@ class LiveTensors(TorchDispatchMode):
 
 
 def is_all_gather(func: Any) -> bool:
-    """True for the functional all-gather op that funcshard's gathers go through."""
-    return "all_gather_into_tensor" in str(func)
+    """True for the all-gather ops funcshard's gathers go through: the functional op, or
+    c10d's own on gloo (see [Note: gloo collectives through Work objects])."""
+    name = str(func)
+    return "all_gather_into_tensor" in name or "_allgather_base" in name

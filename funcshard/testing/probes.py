@@ -90,9 +90,11 @@ class GatheredBytes(LiveTensors):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if is_all_gather(func) and isinstance(out, Tensor):
-            key = out.untyped_storage()._cdata  # the key LiveTensors tracks it by
-            (self._integers.discard if out.is_floating_point() else self._integers.add)(key)
+        gathered = out[0] if isinstance(out, tuple) else out  # c10d's op returns (out, work)
+        if is_all_gather(func) and isinstance(gathered, Tensor):
+            key = gathered.untyped_storage()._cdata  # the key LiveTensors tracks it by
+            floating = gathered.is_floating_point()
+            (self._integers.discard if floating else self._integers.add)(key)
         live = sum(self._bytes[key] for key in self._watched if key not in self._integers)
         self.peak_bytes = max(self.peak_bytes, live)
         return out
