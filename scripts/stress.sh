@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The soak and chaos tests, N times, with K CPU-bound hog processes beside them: a line per
 # repetition (pass or fail, seconds), then a summary. Not part of CI (it takes N x minutes).
+# A crashed rank fails its repetition: the suite's rerun of such tests is off here.
 #   bash scripts/stress.sh [N=10] [K=2] [pytest args, default: the soak and chaos tests]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ failed=0
 for i in $(seq 1 "$n"); do
   start=$(date +%s)
   log=$(mktemp)
-  if "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" >"$log" 2>&1; then
+  if "$py" -m pytest -q -p no:cacheprovider -p no:rerunfailures "${tests[@]}" >"$log" 2>&1; then
     result=pass
   else
     result="FAIL (log kept: $log)"
