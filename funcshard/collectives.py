@@ -11,6 +11,9 @@ never learn which of the two is running. A whole step under torch.compile
 (funcshard/compiled.py) uses `gathered`, `reduced_scattered` and `all_reduced`: the same ops,
 waited at once, since the compiler places the waits.
 
+On gloo, eager collectives go through torch.distributed's Work API instead (see [Note: gloo
+collectives through Work objects]); a `Pending` hides which one carries it.
+
 A size-1 group communicates nothing: gathering or reducing over it returns the input, which
 is how one code path serves FSDP (shard axis > 1), DDP (shard axis 1) and HSDP.
 
