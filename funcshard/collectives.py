@@ -159,14 +159,19 @@ def all_gather(shard: Tensor, group: ProcessGroup, what: str | None = None) -> P
     if group.size() == 1:
         return Pending(shard, done=True)
     _before("all_gather", group, shard, what)
+    return _gathering(shard, group, "all_gather", what)
+
+
+def _gathering(shard: Tensor, group: ProcessGroup, op: str, what: str | None) -> Pending:
+    """Issue the all-gather itself (no count, record or check: `_agree` uses it too)."""
     if _through_work(group, shard):
         out = shard.new_empty(shard.numel() * group.size())
         with _below_autograd():
             work = _all_gather_single(out, shard, group=group, async_op=True)
-        return Pending(out, op="all_gather", group=group, what=what, work=work)
+        return Pending(out, op=op, group=group, what=what, work=work)
     with _below_autograd():
         out = _ops.all_gather_into_tensor(shard, group.size(), group.group_name)
-    return Pending(out, op="all_gather", group=group, what=what)
+    return Pending(out, op=op, group=group, what=what)
 
 
 def reduce_scatter(
@@ -438,17 +443,8 @@ def _agree(op: str, group: ProcessGroup, tensor: Tensor, what: str | None) -> No
     mine = (op, tensor.numel(), str(tensor.dtype), what)
     code = [_OP_CODES[op], tensor.numel(), zlib.crc32(f"{tensor.dtype}|{what}".encode())]
     local = torch.tensor(code, dtype=torch.int64, device=tensor.device)
-    try:
-        if _through_work(group, local):
-            rows = local.new_empty(group.size() * len(code))
-            _all_gather_single(rows, local, group=group)
-        else:
-            rows = _ops.wait_tensor(
-                _ops.all_gather_into_tensor(local, group.size(), group.group_name)
-            )
-        rows = rows.view(group.size(), len(code))
-    except RuntimeError as e:
-        raise _failed(f"collective check before {op}", group, what, e) from e
+    check = _gathering(local, group, f"collective check before {op}", what)
+    rows = check.wait().view(group.size(), len(code))  # a failure raises naming the check
     if bool((rows == rows[0]).all()):
         return
     ranks = dist.get_process_group_ranks(group)

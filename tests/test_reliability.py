@@ -585,20 +585,15 @@ def test_eager_gloo_collectives_go_through_held_work_objects_with_the_same_resul
     for got in (first, second):
         assert all(got["works"].values()), got["works"]
     a, b = torch.arange(6.0), torch.arange(6.0) * 2
-    expected = {
-        "all_gather": torch.cat([a, b]),
-        "reduce_scatter avg": ((a + b) / 2),
-        "reduce_scatter sum": a + b,
-        "all_reduce": a + b,
-        "all_reduce in place": (a + b) / 2,
-        "all_to_all": None,
-    }
     for rank, got in enumerate((first, second)):
+        mine = slice(3 * rank, 3 * rank + 3)  # this rank's chunk of a reduce-scatter
+        expected = {
+            "all_gather": torch.cat([a, b]),
+            "reduce_scatter avg": ((a + b) / 2)[mine],
+            "reduce_scatter sum": (a + b)[mine],
+            "all_reduce": a + b,
+            "all_reduce in place": (a + b) / 2,
+            "all_to_all": torch.cat([a[mine], b[mine]]),  # chunk `rank` of every rank's input
+        }
         for name, want in expected.items():
-            if name == "all_to_all":
-                want = [*a[3 * rank : 3 * rank + 3].tolist(), *b[3 * rank : 3 * rank + 3].tolist()]
-            elif name.startswith("reduce_scatter"):
-                want = want[3 * rank : 3 * rank + 3].tolist()
-            else:
-                want = want.tolist()
-            assert got["results"][name] == want, (rank, name)
+            assert got["results"][name] == want.tolist(), (rank, name)
