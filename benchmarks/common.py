@@ -43,7 +43,15 @@ def _digits(v: float) -> str:
 def interleaved_medians(
     steps: dict[str, Callable[[], object]], warmup: int, rounds: int
 ) -> dict[str, float]:
-    """Median wall time of each step, timed in rotation (A, B, C, A, B, C, ...).
+    """Median wall time of each step, timed in rotation (see `interleaved_samples`)."""
+    samples = interleaved_samples(steps, warmup, rounds)
+    return {name: statistics.median(t) for name, t in samples.items()}
+
+
+def interleaved_samples(
+    steps: dict[str, Callable[[], object]], warmup: int, rounds: int
+) -> dict[str, list[float]]:
+    """Every wall time of each step, timed in rotation (A, B, C, A, B, C, ...).
 
     Rotating makes slow drifts of a shared machine hit every contender alike, so the ratios
     hold even when the absolute times wander.
@@ -57,20 +65,25 @@ def interleaved_medians(
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+def plain_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: Loss = lm_loss
+) -> Callable[[], None]:
     """A single-process PyTorch training step (AdamW), the baseline."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        lm_loss(model(x), y).backward()
+        loss(model(x), y).backward()
         opt.step()
 
     return step
@@ -84,22 +97,38 @@ def funcshard_step(
     replicate: bool = False,
     **options: object,
 ) -> Callable[[], None]:
-    """funcshard's step: a meta-built model sharded straight into local shards (or, with
-    `replicate`, held whole on every rank with bucketed all-reduce: functional DDP)."""
+    """funcshard's step on a GPT of `cfg` (see `sharded_step`)."""
+    return sharded_step(lambda: GPT(cfg), Block, mesh, x, y, replicate=replicate, **options)
+
+
+def sharded_step(
+    build: Callable[[], nn.Module],
+    unit: type[nn.Module],
+    mesh: fs.Mesh,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss: Loss = lm_loss,
+    replicate: bool = False,
+    fused: bool = True,
+    **options: object,
+) -> Callable[[], None]:
+    """funcshard's step: a meta-built model sharded straight into local shards, one unit per
+    `unit` module (or, with `replicate`, held whole on every rank with bucketed all-reduce:
+    functional DDP), and AdamW: `opt.step` (`fused`) or `opt.update` then `apply_updates`."""
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = build()
     if replicate:
         state = fs.replicate(model, mesh, **options)
     else:
         state = fs.shard(
-            model, fs.plan(model, policy=fs.policy.module_classes({Block})), mesh, **options
+            model, fs.plan(model, policy=fs.policy.module_classes({unit})), mesh, **options
         )
     box = {"state": state}
     opt = fs.optim.adamw(1e-3)
     box["opt"] = opt.init(box["state"])
 
     def loss_fn(state: fs.ShardedState) -> torch.Tensor:
-        return lm_loss(fs.call(model, state, x), y)
+        return loss(fs.call(model, state, x), y)
 
     grad_fn = fs.value_and_grad(loss_fn)
 
@@ -107,11 +136,16 @@ def funcshard_step(
         _, grads = grad_fn(box["state"])
         box["state"], box["opt"] = opt.step(grads, box["opt"], box["state"])  # all donated
 
-    return step
+    def update_and_apply() -> None:
+        _, grads = grad_fn(box["state"])
+        updates, box["opt"] = opt.update(grads, box["opt"], box["state"])
+        box["state"] = fs.optim.apply_updates(box["state"], updates)
+
+    return step if fused else update_and_apply
 
 
 def fsdp2_step(
-    model: nn.Module, mesh: object, x: torch.Tensor, y: torch.Tensor
+    model: nn.Module, mesh: object, x: torch.Tensor, y: torch.Tensor, loss: Loss = lm_loss
 ) -> Callable[[], None]:
     """FSDP2: fully_shard on every block and the root, the way its docs apply it."""
     from torch.distributed.fsdp import fully_shard
@@ -119,11 +153,20 @@ def fsdp2_step(
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return plain_step(model, x, y)
+    return plain_step(model, x, y, loss)
 
 
-def ddp_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    """DistributedDataParallel over the default process group."""
+def ddp_step(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss: Loss = lm_loss,
+    comm_hook: Callable | None = None,
+) -> Callable[[], None]:
+    """DistributedDataParallel over the default process group (with `comm_hook`, if given)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return plain_step(DistributedDataParallel(model), x, y)
+    ddp = DistributedDataParallel(model)
+    if comm_hook is not None:
+        ddp.register_comm_hook(None, comm_hook)
+    return plain_step(ddp, x, y, loss)

@@ -1,4 +1,5 @@
-"""Small reference models for tests and benchmarks: a GPT with a tied head, a BatchNorm CNN.
+"""Small reference models for tests and benchmarks: a GPT with a tied head, a BatchNorm CNN,
+a stack of feed-forward blocks.
 
 Each is plain PyTorch, the way a user writes it, so the tests compare funcshard against the
 module called directly.
@@ -136,6 +137,42 @@ class ConvNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x).flatten(1))
+
+
+@dataclass(frozen=True)
+class MLPStackConfig:
+    """Sizes of an `MLPStack`: `n_layer` feed-forward blocks of width `d_model`."""
+
+    d_model: int = 64
+    n_layer: int = 32
+
+
+class MLPBlock(nn.Module):
+    """LayerNorm, then a 4x-wide feed-forward layer: a transformer block without attention."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.up = nn.Linear(d_model, 4 * d_model)
+        self.down = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.relu(self.up(self.norm(x))))
+
+
+class MLPStack(nn.Module):
+    """`n_layer` MLPBlocks in a row, on rows of `d_model` features: many small units, the shape
+    where per-unit framework overhead shows most."""
+
+    def __init__(self, cfg: MLPStackConfig = MLPStackConfig()) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(MLPBlock(cfg.d_model) for _ in range(cfg.n_layer))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
 
 
 def random_tokens(cfg: GPTConfig, batch: int, seed: int) -> tuple[Tensor, Tensor]:
