@@ -1,18 +1,15 @@
 """Every call funcshard makes into torch.distributed's collectives.
 
 [Note: one collective path for eager and traced steps]
-Collectives go through torch's functional collective ops (`torch.ops._c10d_functional.*`,
-the ops behind `all_gather_single` and `reduce_scatter_single`), called directly rather than
-through the wrappers that return AsyncCollectiveTensor subclasses: eagerly on gloo or NCCL an
-op returns at once with the collective in flight and `wait_tensor` blocks on it, so a
-`Pending` is an asynchronous handle; under `make_fx` or torch.compile the same calls become
-graph nodes. Callers issue a collective early and `wait()` where they need its result, and
-never learn which of the two is running. A whole step under torch.compile
-(funcshard/compiled.py) uses `gathered`, `reduced_scattered` and `all_reduced`: the same ops,
-waited at once, since the compiler places the waits.
-
-On gloo, eager collectives go through torch.distributed's Work API instead (see [Note: gloo
-collectives through Work objects]); a `Pending` hides which one carries it.
+Callers issue a collective early and `wait()` on its `Pending` where they need the result,
+and never learn what carries it. Eagerly that is the process group's own asynchronous
+method, returning at once with the collective in flight and a Work to wait on (see [Note:
+eager collectives through Work objects]); under `make_fx` or torch.compile it is torch's
+functional collective ops (`torch.ops._c10d_functional.*`, called directly rather than
+through the wrappers that return AsyncCollectiveTensor subclasses), which become graph
+nodes, `wait_tensor` among them. A whole step under torch.compile (funcshard/compiled.py)
+uses `gathered`, `reduced_scattered` and `all_reduced`: the functional ops, waited at once,
+since the compiler places the waits.
 
 A size-1 group communicates nothing: gathering or reducing over it returns the input, which
 is how one code path serves FSDP (shard axis > 1), DDP (shard axis 1) and HSDP.
@@ -45,10 +42,12 @@ _ops = torch.ops._c10d_functional
 
 
 def _below_autograd() -> contextlib.AbstractContextManager:
-    """The functional collectives carry a Python autograd kernel; funcshard never
-    differentiates through them eagerly (gradients are reduced by hand), so its calls skip
-    the autograd keys: ~200 Python redispatches a step fewer on a 32-unit model. (Nothing
-    to skip while dynamo traces, which cannot enter the guard.)"""
+    """Collectives are never differentiated through directly (the gather and the reduce are
+    autograd functions of their own), so their calls skip the autograd keys: the functional
+    ops carry a Python autograd kernel (~200 redispatches a step on a 32-unit model), and a
+    backend's in-place writes into chunks of an output would meet autograd's view checks
+    when the input requires grad. (Nothing to skip while dynamo traces, which cannot enter
+    the guard.)"""
     if torch.compiler.is_dynamo_compiling():
         return contextlib.nullcontext()
     return torch._C._AutoDispatchBelowAutograd()
@@ -101,9 +100,9 @@ class CollectiveError(RuntimeError):
 class Pending:
     """A collective in flight; `wait()` returns its result (and is cheap to call again).
 
-    `work`: the torch.distributed Work of a collective issued through the c10d API (gloo,
-    see [Note: gloo collectives through Work objects]); without one, `tensor` came from a
-    functional op and `wait_tensor` waits for it. `chunk_into` (a reduce-scatter done as an
+    `work`: the torch.distributed Work of a collective issued eagerly (see [Note: eager
+    collectives through Work objects]); without one, `tensor` came from a functional op
+    (traced) and `wait_tensor` waits for it. `chunk_into` (a reduce-scatter done as an
     all-reduce, see `reduce_scatter`): the tensor this rank's chunk of the reduced buffer is
     copied into once it lands."""
 
@@ -164,10 +163,10 @@ def all_gather(shard: Tensor, group: ProcessGroup, what: str | None = None) -> P
 
 def _gathering(shard: Tensor, group: ProcessGroup, op: str, what: str | None) -> Pending:
     """Issue the all-gather itself (no count, record or check: `_agree` uses it too)."""
-    if _through_work(group, shard):
+    if _eager(shard):
         out = shard.new_empty(shard.numel() * group.size())
         with _below_autograd():
-            work = _all_gather_single(out, shard, group=group, async_op=True)
+            work = group._allgather_base(_real(out), _real(shard))
         return Pending(out, op=op, group=group, what=what, work=work)
     with _below_autograd():
         out = _ops.all_gather_into_tensor(shard, group.size(), group.group_name)
@@ -189,40 +188,60 @@ def reduce_scatter(
     if group.size() == 1:
         return Pending(flat, done=True)
     _before("reduce_scatter", group, flat, what)
-    if _through_work(group, flat):
+    if _eager(flat) and _is_gloo(group):
         buffer = flat if owned else flat.clone()
         chunk = flat.new_empty(flat.numel() // group.size())
         with _below_autograd():
-            work = dist.all_reduce(buffer, op=_REDUCE_OPS[op], group=group, async_op=True)
+            work = group.allreduce([_real(buffer)], _ALL_REDUCE_OPTIONS[op])
         return Pending(
             buffer, op="reduce_scatter", group=group, what=what, chunk_into=chunk, work=work
         )
+    if _eager(flat):
+        out = flat.new_empty(flat.numel() // group.size())
+        with _below_autograd():
+            work = group._reduce_scatter_base(_real(out), _real(flat), _REDUCE_SCATTER_OPTIONS[op])
+        return Pending(out, op="reduce_scatter", group=group, what=what, work=work)
     with _below_autograd():
         out = _ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name)
     return Pending(out, op="reduce_scatter", group=group, what=what)
 
 
-# [Note: gloo collectives through Work objects]
-# On gloo, an eager collective goes through torch.distributed's own async API, and its
-# Pending holds the Work until it is waited; traced steps, and NCCL, keep the functional ops
-# (graphs need them; their stream semantics are what the CUDA path is built on). torch's
-# gloo backend under the functional ops (`_c10d_functional.*` then `wait_tensor`) now and
-# then corrupts the heap of a process when collectives overlap on a loaded machine: glibc's
-# "malloc(): unaligned tcache chunk detected" or a segmentation fault inside `wait_tensor`.
+# [Note: eager collectives through Work objects]
+# An eager collective goes through its process group's own asynchronous methods
+# (`_allgather_base`, `_reduce_scatter_base`, `allreduce`), the ones torch.distributed's
+# `async_op=True` functions call, and its Pending holds the Work until it is waited; traced
+# steps keep the functional ops, which graphs need. Two reasons. torch's gloo backend under
+# the functional ops (`_c10d_functional.*` then `wait_tensor`) now and then corrupts the
+# heap of a process when collectives overlap on a loaded machine: glibc's "malloc():
+# unaligned tcache chunk detected" or a segmentation fault inside `wait_tensor`;
 # scripts/gloo_heap_repro.py reproduces it with torch alone (no funcshard) and runs the
 # same stream of collectives through the Work API, which never crashed (figures there).
-# Same bytes on the wire, same order, same results.
+# And the functional ops cost more CPU per call: on torch's fake group, a 32-block step
+# spent ~3 ms in them, a third of funcshard's overhead above plain PyTorch, against ~1 ms
+# through the process group's methods (benchmarks/overhead_matrix.py). Same collectives,
+# same order, same results; on NCCL, `Work.wait()` makes the current stream wait, as
+# `wait_tensor` does.
 
 
-def _through_work(group: ProcessGroup, tensor: Tensor) -> bool:
-    """Whether to issue on `group` through the c10d Work API (eager gloo) rather than the
-    functional ops."""
-    return _is_gloo(group) and not _traced(tensor)
+def _eager(tensor: Tensor) -> bool:
+    """Whether to issue through the process group's Work API rather than the functional
+    ops: anything not being traced."""
+    return not _traced(tensor)
 
 
-_REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
-# torch 2.13 renamed all_gather_into_tensor (which now warns) to all_gather_single
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _real(tensor: Tensor) -> Tensor:
+    """A complex tensor as its real view (backends take real dtypes only, as the
+    torch.distributed functions do for them); any other as it is."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+_ALL_REDUCE_OPTIONS: dict[str, dist.AllreduceOptions] = {}
+_REDUCE_SCATTER_OPTIONS: dict[str, dist.ReduceScatterOptions] = {}
+for _name, _op in (("avg", dist.ReduceOp.AVG), ("sum", dist.ReduceOp.SUM)):
+    _ALL_REDUCE_OPTIONS[_name] = dist.AllreduceOptions()
+    _ALL_REDUCE_OPTIONS[_name].reduceOp = _op
+    _REDUCE_SCATTER_OPTIONS[_name] = dist.ReduceScatterOptions()
+    _REDUCE_SCATTER_OPTIONS[_name].reduceOp = _op
 
 
 def _traced(tensor: Tensor) -> bool:
@@ -265,10 +284,10 @@ def all_reduce(
     if group.size() == 1:
         return Pending(tensor, done=True)
     _before("all_reduce", group, tensor, what)
-    if _through_work(group, tensor):
+    if _eager(tensor):
         out = tensor if inplace else tensor.clone(memory_format=torch.contiguous_format)
         with _below_autograd():
-            work = dist.all_reduce(out, op=_REDUCE_OPS[op], group=group, async_op=True)
+            work = group.allreduce([_real(out)], _ALL_REDUCE_OPTIONS[op])
         return Pending(out, op="all_reduce", group=group, what=what, work=work)
     reduce = _ops.all_reduce_ if inplace else _ops.all_reduce
     with _below_autograd():
@@ -282,7 +301,7 @@ def all_to_all(tensor: Tensor, group: ProcessGroup, what: str | None = None) -> 
     if group.size() == 1:
         return Pending(tensor, done=True)
     _before("all_to_all", group, tensor, what)
-    if _through_work(group, tensor):
+    if _eager(tensor):
         out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         with _below_autograd():
             work = dist.all_to_all_single(out, tensor.contiguous(), group=group, async_op=True)

@@ -27,8 +27,9 @@ parameter.
 
 Overlap, eagerly. A plain first-order backward (no `create_graph`, no vmap over it, no
 anomaly mode, not traced) issues the reduce asynchronously and returns the in-flight result
-to a wait node (`Deferred`): an identity on the shard, made when the call starts, whose
-backward waits for it. Autograd runs ready nodes newest first, and the wait node is older
+to a wait node (`Deferred`): an identity on the shard, made when the call starts (one
+autograd node for all of a call's shards, `wait_nodes`), whose backward waits for it in a
+fixed order. Autograd runs ready nodes newest first, and the wait node is older
 than every node of the call's compute, so it runs once backward is through the whole call:
 each reduce overlaps everything backward does after it, and the waits come in one fixed
 order. Collectives are issued in program order by construction: autograd's order on one
@@ -60,7 +61,7 @@ from torch import Tensor
 
 from funcshard import chaos, collectives
 from funcshard.comm import Comm, MeshAxis
-from funcshard.layout import FlatLayout, frozen_ranges, param_views
+from funcshard.layout import FlatLayout, Layout, frozen_ranges, param_views
 from funcshard.mesh import Mesh
 from funcshard.precision import MixedPrecision, gather_dtype, reduce_dtype
 from funcshard.state import ShardedState
@@ -70,7 +71,7 @@ from funcshard.tree import register_record
 @dataclass(frozen=True)
 class GatherSpec:
     """What the gather of one flat buffer needs: where, in what dtypes, and which reduce
-    transposes it."""
+    transposes it. `gather_dtype`, `reduce_dtype` and `device` are derived once."""
 
     flat: FlatLayout
     mesh: Mesh
@@ -90,9 +91,11 @@ class GatherSpec:
     def across_replicas(self) -> bool:
         return self.reduction == "mean" and self.mesh.replicate_size > 1
 
-    @property
-    def gather_dtype(self) -> torch.dtype:
-        return gather_dtype(self.mp, self.flat)
+    def __post_init__(self) -> None:
+        # computed once per spec (specs are made once per layout: `_specs`), not per step
+        object.__setattr__(self, "gather_dtype", gather_dtype(self.mp, self.flat))
+        object.__setattr__(self, "reduce_dtype", reduce_dtype(self.mp, self.flat))
+        object.__setattr__(self, "device", self.mesh.device)  # the mesh's device then
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,9 +150,32 @@ def specs_and_sinks(
             "There is no user hook for the all-reduce across replicas yet; shard the state "
             "(fs.shard, or an HSDP mesh) to use a Comm."
         )
-    specs = tuple(GatherSpec(flat, layout.mesh, state.mp, reduction, comm) for flat in layout.flats)
+    specs = _specs(layout, state.mp, reduction, comm)
     sinks = state.sinks if differentiated and state.sinks is not None else None
     return specs, sinks if sinks is not None else (None,) * len(specs)
+
+
+def _specs(
+    layout: Layout, mp: MixedPrecision | None, reduction: str, comm: Comm | None
+) -> tuple[GatherSpec, ...]:
+    """The gather specs of a layout's buffers, made once per (layout, mp, reduction, comm)
+    object and reused by every later call with the same ones: their cached dtypes and
+    device are then computed once, not per step."""
+    if torch.compiler.is_dynamo_compiling():
+        return tuple(GatherSpec(flat, layout.mesh, mp, reduction, comm) for flat in layout.flats)
+    key = (id(layout), id(mp), reduction, id(comm))
+    hit = _SPECS.get(key)
+    if hit is not None and hit[0] is layout and hit[1] is mp and hit[2] is comm:
+        return hit[3]
+    specs = tuple(GatherSpec(flat, layout.mesh, mp, reduction, comm) for flat in layout.flats)
+    if len(_SPECS) >= _SPECS_KEPT:
+        _SPECS.pop(next(iter(_SPECS)))  # the oldest: states of finished runs
+    _SPECS[key] = (layout, mp, comm, specs)  # holding them keeps the ids from being reused
+    return specs
+
+
+_SPECS: dict[tuple, tuple[Layout, MixedPrecision | None, Comm | None, tuple]] = {}
+_SPECS_KEPT = 64
 
 
 def issue_gather(shard: Tensor, spec: GatherSpec) -> collectives.Pending:
@@ -158,7 +184,7 @@ def issue_gather(shard: Tensor, spec: GatherSpec) -> collectives.Pending:
     gather runs now, to its end."""
     if spec.user_gather:
         return collectives.Pending(user_gather(shard.detach(), spec), done=True)
-    data = shard.detach().to(spec.mesh.device, gather_dtype(spec.mp, spec.flat))
+    data = shard.detach().to(spec.device, spec.gather_dtype)
     return collectives.all_gather(data, spec.mesh.shard_group, what=spec.flat.unit)
 
 
@@ -295,21 +321,23 @@ def _concat(grads: tuple[Tensor | None, ...], spec: GatherSpec) -> Tensor:
     """One full (padded) flat gradient from the parameters' gradients; None counts as zero."""
     flat = spec.flat
     like = next((g for g in grads if g is not None), None)
-    dtype = like.dtype if like is not None else gather_dtype(spec.mp, flat)
-    device = like.device if like is not None else spec.mesh.device
+    dtype = like.dtype if like is not None else spec.gather_dtype
+    device = like.device if like is not None else spec.device
     pieces = [
-        torch.zeros(numel, dtype=dtype, device=device) if g is None else g.reshape(-1)
+        torch.zeros(numel, dtype=dtype, device=device) if g is None else g
         for g, numel in zip(grads, flat.numels, strict=True)
     ]
     if flat.padded_numel > flat.numel:
         pieces.append(torch.zeros(flat.padded_numel - flat.numel, dtype=dtype, device=device))
-    return torch.cat(pieces)
+    if torch.compiler.is_dynamo_compiling():
+        return torch.cat([p.reshape(-1) for p in pieces])
+    return torch._utils._flatten_dense_tensors(pieces)  # one C++ call: reshape each, cat
 
 
 def _prepared(full: Tensor, spec: GatherSpec) -> Tensor:
     """A full gradient in the reduce dtype with the frozen members of a trainable buffer
     zeroed (plan(frozen="warn")): what is reduced, or kept unreduced."""
-    grad = full.to(reduce_dtype(spec.mp, spec.flat))
+    grad = full.to(spec.reduce_dtype)
     ranges = frozen_ranges(spec.flat) if spec.flat.frozen_fqns else ()
     if ranges:
         grad = grad.clone() if grad is full else grad
@@ -426,8 +454,8 @@ class _GatherFlat(torch.autograd.Function):
 
 class Deferred:
     """A shard behind a wait node whose backward waits for the asynchronous reduce of its
-    gradient (see [Note: one differentiable gather]); make it when the call starts, before
-    any compute, so that the wait runs at the end of backward.
+    gradient (see [Note: one differentiable gather]); made by `wait_nodes` when the call
+    starts, before any compute, so that the wait runs at the end of backward.
 
     Only one gather may reduce asynchronously into it: a second gather reading the same
     node would meet the first one's in-flight result in autograd's sum at its input, so both
@@ -438,33 +466,54 @@ class Deferred:
 
     __slots__ = ("gathers", "shard")
 
-    def __init__(self, shard: Tensor, spec: GatherSpec) -> None:
-        self.shard = _apply(_DeferWait, shard, spec)
+    def __init__(self, shard: Tensor) -> None:
+        self.shard = shard
         self.gathers = 0
 
     def alone(self) -> bool:
         return self.gathers == 1
 
 
+def wait_nodes(
+    shards: tuple[Tensor, ...], specs: tuple[GatherSpec, ...], chosen: tuple[bool, ...]
+) -> tuple[Deferred | None, ...]:
+    """A `Deferred` for each chosen shard (None for the others), all behind one autograd
+    node: one node per call rather than per buffer, whose backward waits for every reduce
+    in one fixed order (the same on every rank) once backward is through the call."""
+    which = [i for i, c in enumerate(chosen) if c]
+    if not which:
+        return (None,) * len(shards)
+    outs = _apply(_DeferWait, tuple(specs[i] for i in which), *(shards[i] for i in which))
+    deferred: list[Deferred | None] = [None] * len(shards)
+    for i, out in zip(which, outs, strict=True):
+        deferred[i] = Deferred(out)
+    return tuple(deferred)
+
+
 class _DeferWait(torch.autograd.Function):
     @staticmethod
-    def forward(shard: Tensor, spec: GatherSpec) -> Tensor:
-        dtype = reduce_dtype(spec.mp, spec.flat)
-        if shard.dtype == dtype:
-            return shard.view_as(shard)
-        return shard.new_zeros((), dtype=dtype).expand(shard.shape)  # its values go unread
+    def forward(specs: tuple[GatherSpec, ...], *shards: Tensor) -> tuple[Tensor, ...]:
+        return tuple(
+            shard.view_as(shard)
+            if shard.dtype == spec.reduce_dtype
+            else shard.new_zeros((), dtype=spec.reduce_dtype).expand(shard.shape)  # unread
+            for shard, spec in zip(shards, specs, strict=True)
+        )
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        shard, ctx.spec = inputs
-        ctx.shard_dtype = shard.dtype
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ctx.shard_dtypes = tuple(shard.dtype for shard in inputs[1:])
+        ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         chaos.point()
-        if torch.is_grad_enabled():
-            return grad.to(ctx.shard_dtype), None  # a synchronous backward reduced already
-        return _THROTTLE.wait(grad).to(ctx.shard_dtype), None
+        synchronous = torch.is_grad_enabled()  # a synchronous backward reduced already
+        out = [
+            None if g is None else (g if synchronous else _THROTTLE.wait(g)).to(dtype)
+            for g, dtype in zip(grads, ctx.shard_dtypes, strict=True)
+        ]
+        return None, *out
 
 
 class _Throttle:

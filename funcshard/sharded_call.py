@@ -113,16 +113,12 @@ class _Run:
             and not spec.user_reduce
             for d, s, spec in zip(self.differentiable, state.shards, self.specs, strict=True)
         )
-        self.deferred = tuple(
-            gather.Deferred(s, spec) if a else None
-            for s, spec, a in zip(state.shards, self.specs, asynchronous, strict=True)
+        self.deferred = gather.wait_nodes(state.shards, self.specs, asynchronous)
+        relinked = tuple(  # a second wait node for the second gather of `relink`
+            a and flat.unit in binding.relinked_units
+            for a, flat in zip(asynchronous, layout.flats, strict=True)
         )
-        self.relink_deferred = tuple(  # a second wait node for the second gather of `relink`
-            gather.Deferred(s, spec) if a and flat.unit in binding.relinked_units else None
-            for s, spec, a, flat in zip(
-                state.shards, self.specs, asynchronous, layout.flats, strict=True
-            )
-        )
+        self.relink_deferred = gather.wait_nodes(state.shards, self.specs, relinked)
         n_units = len(binding.unit_names)
         self.full: list[tuple[Tensor | None, ...] | None] = [None] * n_units
         kept = getattr(state, "gathered", ())  # a GatheredState's: see [Note: keeping units

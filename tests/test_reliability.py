@@ -559,7 +559,7 @@ def test_under_torchrun_a_forced_hang_prints_each_ranks_last_collective():
 
 def _each_eager_collective(rank: int) -> dict:
     """Every collective funcshard issues eagerly on gloo, with rank-dependent data: which
-    API carried it (a held Work, see [Note: gloo collectives through Work objects]) and what
+    API carried it (a held Work, see [Note: eager collectives through Work objects]) and what
     came back."""
     group = fs.Mesh(shard=2).shard_group
     x = torch.arange(6.0) * (rank + 1)

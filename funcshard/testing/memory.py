@@ -109,7 +109,7 @@ class LiveTensors(TorchDispatchMode):
 
 
 def is_all_gather(func: Any) -> bool:
-    """True for the all-gather ops funcshard's gathers go through: the functional op, or
-    c10d's own on gloo (see [Note: gloo collectives through Work objects])."""
+    """True for the all-gather ops funcshard's gathers go through: the process group's own
+    eagerly (see [Note: eager collectives through Work objects]), the functional op traced."""
     name = str(func)
     return "all_gather_into_tensor" in name or "_allgather_base" in name
