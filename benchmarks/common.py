@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -49,21 +50,30 @@ def interleaved_medians(
 
 
 def interleaved_samples(
-    steps: dict[str, Callable[[], object]], warmup: int, rounds: int
+    steps: dict[str, Callable[[], object]], warmup: int, rounds: int, settle: int = 0, seed: int = 0
 ) -> dict[str, list[float]]:
-    """Every wall time of each step, timed in rotation (A, B, C, A, B, C, ...).
+    """Every wall time of each step, timed in rounds that run every step once.
 
-    Rotating makes slow drifts of a shared machine hit every contender alike, so the ratios
-    hold even when the absolute times wander.
+    Interleaving makes slow drifts of a shared machine hit every contender alike, so the
+    ratios hold even when the absolute times wander. Each round runs the steps in a fresh
+    seeded order, and with `settle`, each timed step follows that many untimed ones of the
+    same contender, as in a training loop: the timed step finds the caches warm with its own
+    code and data and meets the garbage collections its own allocations trigger, not those
+    of the contender before it (on small models those effects dwarf the differences).
     """
     for step in steps.values():
         for _ in range(warmup):
             step()
+    order = random.Random(seed)
+    names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
-        for name, step in steps.items():
+        order.shuffle(names)
+        for name in names:
+            for _ in range(settle):
+                steps[name]()
             start = time.perf_counter()
-            step()
+            steps[name]()
             times[name].append(time.perf_counter() - start)
     return times
 

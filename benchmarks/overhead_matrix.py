@@ -137,7 +137,7 @@ def _fake_group_all_reduce(_, bucket):  # DDP checks the annotations; this modul
 def measure(cell: Cell, rounds: int, warmup: int = 3) -> Timing:
     """Time one cell; needs a fake default process group of WORLD ranks."""
     torch.set_num_threads(cell.threads)
-    samples = interleaved_samples(_steps(cell), warmup=warmup, rounds=rounds)
+    samples = interleaved_samples(_steps(cell), warmup=warmup, rounds=rounds, settle=1)
     median = {name: statistics.median(t) for name, t in samples.items()}
     iqr = {name: _iqr(t) for name, t in samples.items()}
     return Timing(cell, median, iqr)

@@ -28,12 +28,13 @@ if TYPE_CHECKING:
 
 
 class _Handle:
-    """What autograd keeps instead of a view into a resharded unit's gathered buffer."""
+    """What autograd keeps instead of a view into a resharded unit's gathered buffer: the
+    unit, the buffer's position among the unit's, and the view's geometry."""
 
-    __slots__ = ("flat", "offset", "size", "stride", "unit")
+    __slots__ = ("offset", "position", "size", "stride", "unit")
 
-    def __init__(self, unit: int, flat: int, tensor: Tensor) -> None:
-        self.unit, self.flat = unit, flat
+    def __init__(self, unit: int, position: int, tensor: Tensor) -> None:
+        self.unit, self.position = unit, position
         self.size, self.stride, self.offset = (
             tensor.size(),
             tensor.stride(),
@@ -50,17 +51,22 @@ class Regather:
         mesh = run.layout.mesh
         k = run.state.reshard_after_forward
         self.k = k if not isinstance(k, bool) and k < mesh.shard_size else None
-        self.owner_of: dict[int, tuple[int, int]] = {}  # id of a gathered flat buffer ->
-        # (unit, flat index): how `pack` recognizes the parameters' views
+        self.owner_of: dict[int, tuple[int, int, torch.dtype]] = {}  # id of a resharded
+        # unit's gathered buffer -> (unit, its position among the unit's buffers, the gather
+        # dtype): how `pack` recognizes the parameters' views
         self.slices: dict[int, tuple[Tensor, ...]] = {}  # unit -> this rank's 1/k slices
         self.full: dict[int, tuple[Tensor, ...]] = {}  # unit -> its regathered buffers
         self.finished: set[int] = set()  # units whose gather nodes ran
         self.unfinished: dict[int, int] = {}  # unit -> its gather nodes still to run
 
     def track(self, unit: int, flat_index: int, full: Tensor, views: tuple[Tensor, ...]) -> None:
-        """Recognize `full` (a gathered buffer of `unit`) in `pack`, and drop the unit's
-        regathered buffers once its gather nodes run in backward."""
-        self.owner_of[id(full)] = (unit, flat_index)
+        """Recognize `full` (a gathered buffer of `unit`) in `pack`, unless the unit stays
+        gathered for the whole call, and drop the unit's regathered buffers once its gather
+        nodes run in backward."""
+        run = self.run
+        if unit not in run.binding.whole_call:
+            position = run.binding.unit_flats[unit].index(flat_index)
+            self.owner_of[id(full)] = (unit, position, run.specs[flat_index].gather_dtype)
         regather = weakref.ref(self)  # the graph must not keep the run's buffers alive
         self.unfinished[unit] = self.unfinished.get(unit, 0) + 1
 
@@ -88,12 +94,9 @@ class Regather:
 
     def pack(self, tensor: Tensor) -> Any:
         chaos.point()
-        owner = self.owner_of.get(id(tensor if tensor._base is None else tensor._base))
-        if (
-            owner is None  # not a gathered buffer
-            or owner[0] in self.run.binding.whole_call  # one kept for the whole call
-            or tensor.dtype != self.run.specs[owner[1]].gather_dtype
-        ):
+        base = tensor._base
+        owner = self.owner_of.get(id(tensor) if base is None else id(base))
+        if owner is None or tensor.dtype != owner[2]:  # not a resharded unit's parameter
             # detached: a saved output that held its own grad_fn would close a cycle through
             # C++ (node -> saved tensor -> node) that keeps a graph never backpropagated alive
             return tensor if tensor.is_leaf else tensor.detach()
@@ -103,8 +106,7 @@ class Regather:
         chaos.point()
         if not isinstance(packed, _Handle):
             return packed
-        flats = self.gathered(packed.unit)
-        flat = flats[self.run.binding.unit_flats[packed.unit].index(packed.flat)]
+        flat = self.gathered(packed.unit)[packed.position]
         return flat.as_strided(packed.size, packed.stride, packed.offset)
 
     def gathered(self, unit: int) -> tuple[Tensor, ...]:
