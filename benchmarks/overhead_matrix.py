@@ -1,6 +1,7 @@
 """Framework overhead per block on a matrix of shapes: funcshard vs FSDP2 (or DDP) vs plain.
 
-    python -m benchmarks.overhead_matrix [--rounds 15] [--blocks 32] [--only mlp]
+    python -m benchmarks.overhead_matrix [--rounds 15] [--blocks 32] [--only MLP]
+    python -m benchmarks.overhead_matrix --profile MLP,FSDP,8   # cProfile, per unit
 
 One process plays rank 0 of a fake process group of 8 (torch's "fake" backend: collectives
 cost nothing), so a step's time above the plain single-process step on the same local batch
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
+import pstats
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -234,12 +237,56 @@ def run(cells: list[Cell], rounds: int, warmup: int = 3, echo: bool = True) -> l
     return timings
 
 
+def profile(cell: Cell, steps: int = 20, top: int = 15) -> str:
+    """cProfile of funcshard's `opt.step` on one cell: the functions with the most own time,
+    per unit (block) per step: calls and microseconds. Needs a fake default process group."""
+    torch.set_num_threads(cell.threads)
+    step = _steps(cell)[STEP]
+    for _ in range(3):
+        step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, ncalls, tottime, ...)
+    per = steps * cell.blocks
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    table_rows = [
+        [_where(key), f"{value[1] / per:.2f}", f"{value[2] / per * 1e6:.1f}"] for key, value in rows
+    ]
+    total = sum(value[2] for value in stats.values()) / per * 1e6
+    headers = ["function", "calls per unit", "own us per unit"]
+    return f"{tabulate(table_rows, headers=headers)}\nall functions: {total:.0f} us per unit"
+
+
+def _where(key: tuple[str, int, str]) -> str:
+    file, line, name = key
+    if file == "~":
+        return name  # a builtin
+    parts = file.split("/")
+    short = "/".join(
+        parts[parts.index("site-packages") + 1 :] if "site-packages" in parts else parts[-2:]
+    )
+    return f"{short}:{line}({name})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per cell")
     parser.add_argument("--blocks", type=int, default=32)
     parser.add_argument("--only", choices=["GPT", "MLP"], help="one model's rows")
+    parser.add_argument(
+        "--profile",
+        metavar="MODEL,MESH,BATCH",
+        help="instead of timing, cProfile funcshard's opt.step on one cell, e.g. MLP,FSDP,8",
+    )
     args = parser.parse_args()
+    if args.profile:
+        model, mesh, batch = args.profile.split(",")
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+        print(profile(Cell(model, mesh, int(batch), 1, args.blocks)))
+        return
     models = (args.only,) if args.only else ("GPT", "MLP")
     timings = run(matrix(models, args.blocks), args.rounds)
     print()

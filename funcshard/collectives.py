@@ -21,10 +21,11 @@ all-reduce streams ordered by events) awaits a session with a GPU to run it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pickle
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -100,13 +101,11 @@ class CollectiveError(RuntimeError):
 class Pending:
     """A collective in flight; `wait()` returns its result (and is cheap to call again).
 
-    `work`: the torch.distributed Work of a collective issued eagerly (see [Note: eager
-    collectives through Work objects]); without one, `tensor` came from a functional op
-    (traced) and `wait_tensor` waits for it. `chunk_into` (a reduce-scatter done as an
-    all-reduce, see `reduce_scatter`): the tensor this rank's chunk of the reduced buffer is
-    copied into once it lands."""
+    `work`: what carries a collective issued eagerly, a torch.distributed Work or a gloo
+    `Exchange` (see [Note: eager collectives through Work objects]);
+    without one, `tensor` came from a functional op (traced) and `wait_tensor` waits for it."""
 
-    __slots__ = ("_chunk_into", "_done", "_group", "_op", "_tensor", "_what", "_work")
+    __slots__ = ("_done", "_group", "_op", "_tensor", "_what", "_work")
 
     def __init__(
         self,
@@ -115,13 +114,11 @@ class Pending:
         op: str = "",
         group: ProcessGroup | None = None,
         what: str | None = None,
-        chunk_into: Tensor | None = None,
-        work: dist.Work | None = None,
+        work: dist.Work | Exchange | None = None,
     ) -> None:
         self._tensor = tensor
         self._done = done
         self._op, self._group, self._what = op, group, what
-        self._chunk_into = chunk_into
         self._work = work
 
     def wait(self) -> Tensor:
@@ -136,18 +133,13 @@ class Pending:
                         self._tensor = _ops.wait_tensor(self._tensor)
             except RuntimeError as e:
                 raise _failed(self._op, self._group, self._what, e) from e
-            if self._chunk_into is not None:
-                assert self._group is not None
-                mine = self._tensor.view(self._group.size(), -1)[self._group.rank()]
-                self._tensor = self._chunk_into.copy_(mine)
-                self._chunk_into = None
             self._done = True
         return self._tensor
 
     def result(self) -> Tensor:
         """The tensor the result lands in, not yet waited for: hand it on only to code that
         passes it to `wait` before reading it."""
-        return self._chunk_into if self._chunk_into is not None else self._tensor
+        return self._tensor
 
 
 def all_gather(shard: Tensor, group: ProcessGroup, what: str | None = None) -> Pending:
@@ -163,6 +155,10 @@ def all_gather(shard: Tensor, group: ProcessGroup, what: str | None = None) -> P
 
 def _gathering(shard: Tensor, group: ProcessGroup, op: str, what: str | None) -> Pending:
     """Issue the all-gather itself (no count, record or check: `_agree` uses it too)."""
+    if _eager(shard) and _is_gloo(group):
+        with _below_autograd():
+            out, work = _exchange_all_gather(shard.detach(), group)
+        return Pending(out, op=op, group=group, what=what, work=work)
     if _eager(shard):
         out = shard.new_empty(shard.numel() * group.size())
         with _below_autograd():
@@ -178,24 +174,17 @@ def reduce_scatter(
 ) -> Pending:
     """Reduce 1-D `flat` over the group (op "avg" or "sum"); rank r keeps chunk r.
 
-    On gloo, whose reduce-scatter is an all-reduce of a copy of the input followed by a copy
-    out (torch composes it from a continuation run at the wait), this issues that all-reduce
-    itself, on `flat` when the caller `owned` it (no copy) and copies this rank's chunk out
-    at `wait`: the same bytes on the wire, one full-size copy fewer, and only gloo's plain
-    asynchronous all-reduce in flight. (Soaks under load crashed with heap corruption
-    detected at the next reduce-scatter's issue, 3 times of 3, while the composed one ran.)
+    `owned`: the caller hands `flat` over (it is read until the collective completes and
+    never written); otherwise gloo's exchange reads a copy, so the caller may write `flat`
+    at once, as after any other collective's issue.
     """
     if group.size() == 1:
         return Pending(flat, done=True)
     _before("reduce_scatter", group, flat, what)
     if _eager(flat) and _is_gloo(group):
-        buffer = flat if owned else flat.clone()
-        chunk = flat.new_empty(flat.numel() // group.size())
         with _below_autograd():
-            work = group.allreduce([_real(buffer)], _ALL_REDUCE_OPTIONS[op])
-        return Pending(
-            buffer, op="reduce_scatter", group=group, what=what, chunk_into=chunk, work=work
-        )
+            out, work = _exchange_reduce_scatter(flat if owned else flat.clone(), group, op)
+        return Pending(out, op="reduce_scatter", group=group, what=what, work=work)
     if _eager(flat):
         out = flat.new_empty(flat.numel() // group.size())
         with _below_autograd():
@@ -209,8 +198,10 @@ def reduce_scatter(
 # [Note: eager collectives through Work objects]
 # An eager collective goes through its process group's own asynchronous methods
 # (`_allgather_base`, `_reduce_scatter_base`, `allreduce`), the ones torch.distributed's
-# `async_op=True` functions call, and its Pending holds the Work until it is waited; traced
-# steps keep the functional ops, which graphs need. Two reasons. torch's gloo backend under
+# `async_op=True` functions call, and its Pending holds the Work until it is waited; on
+# gloo, all-gathers and reduce-scatters are point-to-point exchanges instead (see [Note:
+# gloo collectives as exchanges]). Traced steps keep the
+# functional ops, which graphs need. Two reasons. torch's gloo backend under
 # the functional ops (`_c10d_functional.*` then `wait_tensor`) now and then corrupts the
 # heap of a process when collectives overlap on a loaded machine: glibc's "malloc():
 # unaligned tcache chunk detected" or a segmentation fault inside `wait_tensor`;
@@ -221,6 +212,168 @@ def reduce_scatter(
 # through the process group's methods (benchmarks/overhead_matrix.py). Same collectives,
 # same order, same results; on NCCL, `Work.wait()` makes the current stream wait, as
 # `wait_tensor` does.
+
+
+# [Note: gloo collectives as exchanges]
+# torch's gloo backend runs an all-gather or a reduce-scatter through its collective
+# algorithms on the process group's worker threads, and composes the reduce-scatter from a
+# full all-reduce: on 2 ranks of one machine a 7 MB all-gather took 6.0 ms and a 7 MB
+# reduce-scatter 8.2 ms, where each rank sending every peer its part directly (gloo's `send`
+# and `recv`, which run on its transport threads) took 3.1 ms and 4.9 ms. Both move the bytes
+# a ring does, (n - 1) / n of the buffer per rank, and the reduce-scatter no longer moves the
+# all-reduce's second half. So eager all-gathers and reduce-scatters on gloo are exchanges:
+#
+# - all-gather: a rank copies its shard into its own chunk of the output, sends the shard to
+#   every peer and receives each peer's shard into that peer's chunk;
+# - reduce-scatter: a rank sends chunk p of its input to rank p and receives its own chunk
+#   from every peer (the first peer's straight into the output), then adds them up, in one
+#   fixed order, at `wait`.
+#
+# Every exchange on a group takes the next tag of that group's counter, which every rank of
+# the group advances alike, since they issue the same collectives in the same order: a
+# message can only meet the receive posted for it, however many exchanges are in flight.
+# A peer that never sends surfaces as the receive's timeout (the process group's), raised at
+# `wait`.
+
+
+_TAGS: dict[str, Iterator[int]] = {}
+_TAG_BITS = 20  # a tag is (epoch, count): counts wrap after 1M exchanges, epochs after 256
+_epoch = 0
+
+
+class Exchange:
+    """The sends and receives of one exchange in flight; `wait()` waits for all of them and
+    then runs what finishes the result (the reduce-scatter's sum)."""
+
+    __slots__ = ("_finish", "_timeout", "_works")
+
+    def __init__(
+        self,
+        works: list[dist.Work],
+        timeout: timedelta,
+        finish: Callable[[], None] | None = None,
+    ) -> None:
+        self._works = works
+        self._timeout = timeout  # gloo's point-to-point waits default to forever
+        self._finish = finish
+
+    def __del__(self) -> None:
+        if self._works:  # dropped unwaited (a prefetch nobody used): see `_wait_orphans`
+            _ORPHANS.append((self._works, self._timeout))
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait(self._timeout)
+        self._works = []  # they hold the buffers
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
+def _exchange_all_gather(shard: Tensor, group: ProcessGroup) -> tuple[Tensor, Exchange]:
+    """Start gathering every rank's 1-D `shard` in rank order; returns the output (read it
+    only after the exchange's `wait`) and the exchange."""
+    _wait_orphans()
+    n, me, tag = group.size(), group.rank(), _next_tag(group)
+    out = shard.new_empty(shard.numel() * n)
+    for observe in _GATHER_OBSERVERS:
+        observe(out)
+    chunks = out.view(n, -1)
+    chunks[me].copy_(shard)
+    peers = _peers(n, me)
+    works = [group.send([shard], peer, tag) for peer in peers]
+    works += [group.recv([chunks[peer]], peer, tag) for peer in peers]
+    return out, Exchange(works, _timeout(group))
+
+
+def _exchange_reduce_scatter(flat: Tensor, group: ProcessGroup, op: str) -> tuple[Tensor, Exchange]:
+    """Start reducing 1-D `flat` (op "avg" or "sum"); rank r's result is chunk r. Returns
+    the result (read it only after the exchange's `wait`) and the exchange. Holds `flat`
+    until its chunks are sent, and besides the result, a receive buffer for the peers past
+    the first (none on 2 ranks)."""
+    _wait_orphans()
+    n, me, tag = group.size(), group.rank(), _next_tag(group)
+    parts = flat.view(n, -1)
+    peers = _peers(n, me)
+    out = flat.new_empty(parts.shape[1])
+    others = flat.new_empty(n - 2, parts.shape[1]) if n > 2 else None
+    targets = [out, *(others.unbind(0) if others is not None else ())]
+    works = [group.send([parts[peer]], peer, tag) for peer in peers]
+    works += [group.recv([into], peer, tag) for peer, into in zip(peers, targets, strict=True)]
+
+    def finish() -> None:
+        out.add_(parts[me])
+        if others is not None:
+            out.add_(others.sum(0))
+        if op == "avg":
+            out.div_(n)
+
+    return out, Exchange(works, _timeout(group), finish)
+
+
+def _peers(n: int, me: int) -> list[int]:
+    """The other ranks, starting after this one (so that on more than 2 ranks, rank pairs
+    do not all start with rank 0)."""
+    return [(me + k) % n for k in range(1, n)]
+
+
+_ORPHANS: list[tuple[list[dist.Work], timedelta]] = []
+_GATHER_OBSERVERS: list[Callable[[Tensor], None]] = []
+
+
+@contextlib.contextmanager
+def observe_gathers(observe: Callable[[Tensor], None]) -> Iterator[None]:
+    """Call `observe(output)` with the output of every gloo exchange all-gather issued inside
+    the block: no all-gather op is dispatched for it, so memory probes that watch for one
+    (funcshard.testing.probes.GatheredBytes) learn of it here."""
+    _GATHER_OBSERVERS.append(observe)
+    try:
+        yield
+    finally:
+        _GATHER_OBSERVERS.remove(observe)
+
+
+def _wait_orphans() -> None:
+    """Finish the exchanges dropped before their wait. Unlike a collective, which completes
+    once every rank issued it, a send or receive dropped half done leaves its peer's partner
+    waiting, and gloo's pair with it; so a dropped exchange's works are kept and waited here,
+    before the next exchange is issued. Every rank issued the dropped one before this point
+    (same collectives, same order), so its messages are on their way."""
+    while _ORPHANS:
+        works, timeout = _ORPHANS.pop()
+        for work in works:
+            work.wait(timeout)
+
+
+def _timeout(group: ProcessGroup) -> timedelta:
+    """The group's collective timeout (looked up once per group)."""
+    timeout = _TIMEOUTS.get(group.group_name)
+    if timeout is None:
+        backend = group._get_backend(torch.device("cpu"))
+        timeout = _TIMEOUTS[group.group_name] = backend.options._timeout
+    return timeout
+
+
+_TIMEOUTS: dict[str, timedelta] = {}
+
+
+def _next_tag(group: ProcessGroup) -> int:
+    counter = _TAGS.get(group.group_name)
+    if counter is None:
+        counter = _TAGS[group.group_name] = itertools.count()
+    return (_epoch % 256) << _TAG_BITS | next(counter) % (1 << _TAG_BITS)
+
+
+def new_exchange_epoch() -> None:
+    """Count every group's exchanges from 0 again, under tags no earlier epoch used: for a
+    test runner whose processes run task after task on the same groups. Every rank must
+    call it at the same point; a task that failed with exchanges half done then leaves
+    neither diverged counts nor stale messages a later task could receive."""
+    global _epoch
+    _epoch += 1
+    _TAGS.clear()
+    _TIMEOUTS.clear()  # a group of the same name may come with another timeout
+    _ORPHANS.clear()  # a failed task's: its peers may never finish them
 
 
 def _eager(tensor: Tensor) -> bool:

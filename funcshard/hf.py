@@ -35,7 +35,7 @@ the index, then files of an earlier export that this one does not replace are de
 an export that fails while gathering or writing leaves the previous one in place (only a
 failure among the renames themselves could leave a mix). The first rank's failure reaches
 every rank through the same agreement, which is also where the other ranks wait for the
-files to be written. """
+files to be written."""
 
 from __future__ import annotations
 

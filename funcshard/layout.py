@@ -57,6 +57,7 @@ class FlatLayout:
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
+
     @property
     def name(self) -> str:
         """How errors and tables name this buffer: `unit[dtype]`."""

@@ -559,8 +559,9 @@ def test_under_torchrun_a_forced_hang_prints_each_ranks_last_collective():
 
 def _each_eager_collective(rank: int) -> dict:
     """Every collective funcshard issues eagerly on gloo, with rank-dependent data: which
-    API carried it (a held Work, see [Note: eager collectives through Work objects]) and what
-    came back."""
+    API carried it (a held Work, or for all-gathers and reduce-scatters an exchange of held
+    sends and receives, see [Note: eager collectives through Work objects]) and what came
+    back."""
     group = fs.Mesh(shard=2).shard_group
     x = torch.arange(6.0) * (rank + 1)
     issued = {
@@ -571,7 +572,9 @@ def _each_eager_collective(rank: int) -> dict:
         "all_reduce in place": collectives.all_reduce(x.clone(), group, "avg", inplace=True),
         "all_to_all": collectives.all_to_all(x, group),
     }
-    works = {name: isinstance(p._work, dist.Work) for name, p in issued.items()}
+    works = {
+        name: isinstance(p._work, dist.Work | collectives.Exchange) for name, p in issued.items()
+    }
     results = {name: p.wait().tolist() for name, p in reversed(issued.items())}
     assert x.tolist() == (torch.arange(6.0) * (rank + 1)).tolist()  # inputs not written
     return {"works": works, "results": results}
@@ -597,3 +600,34 @@ def test_eager_gloo_collectives_go_through_held_work_objects_with_the_same_resul
         }
         for name, want in expected.items():
             assert got["results"][name] == want.tolist(), (rank, name)
+
+
+def _exchanges_in_flight(rank: int) -> list[list[float]]:
+    """Several gloo exchanges in flight at once on 3 ranks, of two sizes, waited newest
+    first: each result must come from its own collective."""
+    group = fs.Mesh(shard=3).shard_group
+    sizes = (6, 12, 6, 3)
+    issued = []
+    for i, n in enumerate(sizes):
+        x = torch.arange(float(n)) * (rank + 1) + 100 * i
+        if i % 2:
+            issued.append(collectives.reduce_scatter(x, group, "sum" if i == 1 else "avg"))
+        else:
+            issued.append(collectives.all_gather(x, group))
+    return [p.wait().tolist() for p in reversed(issued)][::-1]
+
+
+def test_gloo_exchanges_in_flight_together_each_get_their_own_results_on_three_ranks():
+    results = testing.run(_exchanges_in_flight, world_size=3)
+    inputs = [
+        [torch.arange(float(n)) * (r + 1) + 100 * i for r in range(3)]
+        for i, n in enumerate((6, 12, 6, 3))
+    ]
+    for rank, got in enumerate(results):
+        expected = [
+            torch.cat(inputs[0]),
+            sum(inputs[1]).view(3, -1)[rank],
+            torch.cat(inputs[2]),
+            (sum(inputs[3]) / 3).view(3, -1)[rank],
+        ]
+        assert got == [e.tolist() for e in expected], rank

@@ -10,6 +10,7 @@ live tensor memory".
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -18,12 +19,16 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from funcshard import collectives
+
 
 class LiveTensors(TorchDispatchMode):
     """Track live bytes of tensors created inside the mode; `peak` is the largest total seen.
 
     `watch(predicate)` also counts, at each op, how many live storages were produced by ops
-    for which `predicate(func)` holds (e.g. all-gathers), in `peak_watched`.
+    for which `predicate(func)` holds (e.g. all-gathers), in `peak_watched`. Watching
+    `is_all_gather` also watches the outputs of gloo's exchange all-gathers, which dispatch
+    no all-gather op (see `collectives.observe_gathers`).
     """
 
     def __init__(self, watch: Callable[[Any], bool] | None = None) -> None:
@@ -48,11 +53,15 @@ class LiveTensors(TorchDispatchMode):
             return out
 
         torch.UntypedStorage.resize_ = resize_
+        self._observing = contextlib.ExitStack()
+        if self._watch is is_all_gather:
+            self._observing.enter_context(collectives.observe_gathers(self.watch_tensor))
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         torch.UntypedStorage.resize_ = self._original_resize
         super().__exit__(*exc)
+        self._observing.close()
 
     def _resized(self, key: int, delta: int) -> None:
         if key in self._users:
@@ -78,6 +87,11 @@ class LiveTensors(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._track(t, watched=False)
         self.peak = max(self.peak, self.live)
+
+    def watch_tensor(self, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s storage as watched from now on (made by an op `watch` cannot
+        recognize, e.g. a gloo exchange's all-gather output, made by `new_empty`)."""
+        self._track(tensor, watched=True)
 
     def _track(self, tensor: torch.Tensor, watched: bool) -> None:
         try:
@@ -110,6 +124,7 @@ class LiveTensors(TorchDispatchMode):
 
 def is_all_gather(func: Any) -> bool:
     """True for the all-gather ops funcshard's gathers go through: the process group's own
-    eagerly (see [Note: eager collectives through Work objects]), the functional op traced."""
+    eagerly (see [Note: eager collectives through Work objects]), the functional op traced.
+    (A gloo exchange dispatches no all-gather op: see `collectives.observe_gathers`.)"""
     name = str(func)
     return "all_gather_into_tensor" in name or "_allgather_base" in name

@@ -88,6 +88,11 @@ class GatheredBytes(LiveTensors):
         self.peak_bytes = 0
         self._integers: set[int] = set()
 
+    def watch_tensor(self, tensor: Tensor) -> None:
+        super().watch_tensor(tensor)
+        if not tensor.is_floating_point():
+            self._integers.add(tensor.untyped_storage()._cdata)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
         gathered = out[0] if isinstance(out, tuple) else out  # c10d's op returns (out, work)

@@ -457,7 +457,7 @@ UNGUARDED_EXIT = 71  # a worker found the script calling testing.run while it re
 _UNGUARDED = (
     "worker processes start by re-running your main script, and it calls "
     "funcshard.testing.run at import time. Put the calls that start ranks under "
-    "`if __name__ == \"__main__\":`, as multiprocessing requires."
+    '`if __name__ == "__main__":`, as multiprocessing requires.'
 )
 
 
@@ -473,7 +473,7 @@ def _check_main_can_be_rerun() -> None:
         raise RuntimeError(
             f"funcshard.testing.run: the main script is {main_file!r}, not a file, and worker "
             f"processes start by re-running it. Save it to a file and run that, with the calls "
-            f"that start ranks under `if __name__ == \"__main__\":`."
+            f'that start ranks under `if __name__ == "__main__":`.'
         )
 
 
@@ -527,6 +527,7 @@ def _answer_probes(probe: Connection) -> None:
 
 def _run_task(rank: int, payload: bytes) -> bytes:
     collectives.reset_issued()  # numbered per task, so the ranks' numbers compare
+    collectives.new_exchange_epoch()  # gloo exchanges tagged per task (see the function)
     try:
         result = _loads_task(payload)(rank)
         return pickle.dumps(("ok", pickle.dumps(result)))
