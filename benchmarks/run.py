@@ -90,6 +90,7 @@ def targets(over: dict[str, float], train: training.TrainingResult) -> list[Targ
         Target("funcshard overhead vs plain (a)", over[FUNCSHARD] / over[PLAIN], 1.3, True),
         Target("FSDP2 / funcshard overhead (a)", over[FSDP2] / over[FUNCSHARD], 4.0, False),
         Target("funcshard step time vs FSDP2 (b)", t[FUNCSHARD] / t[FSDP2], 0.9, True),
+        Target("funcshard (FSDP) step time vs DDP (b)", t[FUNCSHARD] / t[DDP], 1.0, True),
         Target("funcshard peak memory vs FSDP2 (b)", p[FUNCSHARD] / p[FSDP2], 0.8, True),
         Target("funcshard replicate step time vs DDP (b)", t[REPLICATE] / t[DDP], 1.0, True),
     ]

@@ -18,6 +18,7 @@ TARGET_RATIOS = (
     "funcshard overhead vs plain",
     "FSDP2 / funcshard overhead",
     "funcshard step time vs FSDP2",
+    "funcshard (FSDP) step time vs DDP",
     "funcshard peak memory vs FSDP2",
     "funcshard replicate step time vs DDP",
 )
