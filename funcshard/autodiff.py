@@ -51,7 +51,8 @@ def value_and_grad(
     (`funcshard.carry_zeros(state)` to start), and then the result is `(value, grads,
     new_carry)` (see [Note: communication as user functions]).
     Communicates (sharded): per unit one all-gather in forward, one more in backward when
-    resharded after forward, and one reduce-scatter; one all-reduce per unit on HSDP meshes.
+    resharded after forward (not for the unit that ran last, kept for backward), and one
+    reduce-scatter; one all-reduce per unit on HSDP meshes.
     """
     if not isinstance(prefetch, bool | Prefetch):
         raise TypeError(

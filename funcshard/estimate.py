@@ -214,7 +214,12 @@ def estimate(
         )
     optimizer = optimizer if optimizer is not None else optim.adamw(1e-3)
     layout = _layout(plan, shard)
-    units = tuple(_unit(layout, name, replicate, shard, mp, optimizer) for name in _names(plan))
+    names = _names(plan)
+    last = next((n for n in reversed(names) if n), None)  # forward's last unit: not regathered
+    units = tuple(
+        _unit(layout, name, replicate, shard, mp, optimizer, regathered=name not in ("", last))
+        for name in names
+    )
     if loss_fn is not None:
         spec = dryrun.StepSpec(
             loss_fn, tuple(args), dict(kwargs or {}), optimizer, donate, mp,
@@ -272,6 +277,7 @@ def _unit(
     shard: int,
     mp: MixedPrecision | None,
     optimizer: optim.Optimizer,
+    regathered: bool = True,
 ) -> UnitEstimate:
     flats = [f for f in layout.flats if f.unit == name]
     params = grads = gathered = sent = full_grad = reduced_copy = in_flight = chunk = 0
@@ -280,7 +286,7 @@ def _unit(
         compute, reduced = gather_dtype(mp, flat).itemsize, reduce_dtype(mp, flat).itemsize
         params += flat.shard_numel * flat.dtype.itemsize
         gathered += flat.padded_numel * compute
-        gathers = 1 if name == "" else 2  # the root is not regathered in backward
+        gathers = 2 if regathered else 1  # the root and forward's last unit: once
         sent += gathers * (shard - 1) * flat.shard_numel * compute
         if flat.frozen:
             continue

@@ -55,6 +55,8 @@ class _Call:
         self.relinked: set[int] = set()
         self.finished: set[int] = set()
         self.unfinished: dict[int, int] = {}
+        self.latest: tuple[int, tuple[Tensor, ...]] | None = None  # returned last
+        self.started: set[int] = set()  # units backward has asked for
 
 
 class MetaStep:
@@ -94,6 +96,7 @@ class MetaStep:
         whole = binding.whole_call
         sharded = [u for u in range(len(binding.unit_names)) if u not in whole]
         self.forward_next = dict(itertools.pairwise(sharded))
+        self.first_forward = sharded[0] if sharded else None
         self.owner: dict[int, tuple[_Call, int, int]] = {}  # id of a gathered buffer ->
         # (call, unit, flat index): how `pack` recognizes the parameters' views
         self.calls: list[_Call] = []
@@ -158,6 +161,11 @@ class MetaStep:
         """The model's call starts: gather the whole-call units, cast the inputs."""
         call = self.current = _Call()
         self.calls.append(call)
+        for unit in range(len(self.binding.unit_names)):  # issued first (`_Run.start`)
+            if unit in self.binding.whole_call:
+                self._issue(call, unit)
+        if self.prefetch and self.first_forward is not None:
+            self._issue(call, self.first_forward)
         for unit in range(len(self.binding.unit_names)):
             if unit in self.binding.whole_call:
                 self._enter(call, unit)
@@ -171,6 +179,10 @@ class MetaStep:
         if call is None:
             return output
         call.pending.clear()  # a prefetch nobody used
+        if call.latest is not None:  # the unit that ran last stays for backward
+            unit, fulls = call.latest
+            call.latest = None
+            call.regathered[unit] = fulls
         for unit in list(call.full):
             self._swap_out(unit)  # the call puts the model's own tensors back
             keep = self._trainable(unit) and (not self.reshard or unit in self.binding.whole_call)
@@ -180,6 +192,8 @@ class MetaStep:
         return cast_outputs(self.mp, output)
 
     def _enter(self, call: _Call, unit: int) -> None:
+        if unit not in self.binding.whole_call:
+            call.latest = None  # the unit before is released
         params = self._gathered(call, unit)
         call.order.append(unit)
         nxt = self.forward_next.get(unit) if self.prefetch else None
@@ -249,6 +263,8 @@ class MetaStep:
         if trainable:
             if self.k is not None:  # this rank's 1/k slice stays until backward
                 call.slices[unit] = tuple(f.detach().chunk(self.k)[0].clone() for f in fulls)
+            elif len(fulls) == len(self.binding.unit_flats[unit]):
+                call.latest = (unit, tuple(fulls))
             for f in fulls:
                 self.owner.pop(id(f), None)
 
@@ -278,6 +294,8 @@ class MetaStep:
         if unit not in call.regathered:
             self._issue(call, unit)
             call.regathered[unit] = call.pending.pop(unit)
+        if unit not in call.started:
+            call.started.add(unit)
             nxt = self._next(call, unit) if self.prefetch else None
             if nxt is not None:
                 self._issue(call, nxt)

@@ -421,6 +421,36 @@ def _adam_family(
             maximize=False,
         )
 
+    def fused_many(
+        targets: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], step: Tensor
+    ) -> None:
+        """torch's fused Adam(W) kernel over many fully decayed tensors: one call per (device,
+        dtypes) group rather than one per tensor, whose Python and dispatch cost is paid per
+        flat buffer, i.e. per unit. Writes `targets`, `ms` and `vs` in place."""
+        rate, count = _lr_at(lr, step), step.to(torch.float32)
+        groups: dict[tuple, list[tuple[Tensor, ...]]] = {}
+        for members in zip(targets, gs, ms, vs, strict=True):
+            groups.setdefault((members[0].device, members[0].dtype, members[1].dtype), []).append(
+                members
+            )
+        for members in groups.values():
+            t, g, m, v = (list(column) for column in zip(*members, strict=True))
+            fused(
+                t,
+                g,
+                m,
+                v,
+                [],
+                [count] * len(t),  # read, not written
+                lr=rate,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=weight_decay,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
+            )
+
     def update(
         grads: Any, state: AdamState, params: Any, donate: bool = False
     ) -> tuple[Any, AdamState]:
@@ -435,7 +465,26 @@ def _adam_family(
         updates = [None] * len(state.exp_avg)
         m_all, v_all = list(state.exp_avg), list(state.exp_avg_sq)
         decay_of = decays(params)
-        for i, p, g in _live(grads, params):
+        live = _live(grads, params)
+        batched = [
+            (i, p, g)
+            for i, p, g in live
+            if p.dtype in _FUSED_DTYPES and not tracing and decay_of[i] is True
+        ]
+        if batched:  # the fused kernel on copies of the params, all in one call
+            for i, _, _ in batched:
+                if not donate:
+                    m_all[i], v_all[i] = m_all[i].clone(), v_all[i].clone()
+            news = [p.detach().clone() for _, p, _ in batched]
+            ms, vs = [m_all[i] for i, _, _ in batched], [v_all[i] for i, _, _ in batched]
+            fused_many(news, [g for _, _, g in batched], ms, vs, step)
+            torch._foreach_sub_(news, [p.detach() for _, p, _ in batched])
+            for (i, _, _), new in zip(batched, news, strict=True):
+                updates[i] = new
+        done = {i for i, _, _ in batched}
+        for i, p, g in live:
+            if i in done:
+                continue
             m = m_all[i] if donate else m_all[i].clone()
             v = v_all[i] if donate else v_all[i].clone()
             decay = decay_of[i]
@@ -479,9 +528,20 @@ def _adam_family(
             return None
         step = state.step + 1
         decay_of = decays(params)
+        whole = [(i, p, g) for i, p, g in live if decay_of[i] is True]
         with torch.no_grad():  # parameters that require grad are written in place too
+            if whole:
+                fused_many(
+                    [p for _, p, _ in whole],
+                    [g for _, _, g in whole],
+                    [state.exp_avg[i] for i, _, _ in whole],
+                    [state.exp_avg_sq[i] for i, _, _ in whole],
+                    step,
+                )
             for i, p, g in live:
-                fused_step_of(p, g, state.exp_avg[i], state.exp_avg_sq[i], step, decay_of[i], True)
+                if decay_of[i] is not True:
+                    m, v = state.exp_avg[i], state.exp_avg_sq[i]
+                    fused_step_of(p, g, m, v, step, decay_of[i], True)
         new_state = AdamState(step=step, exp_avg=state.exp_avg, exp_avg_sq=state.exp_avg_sq)
         return _donated_params(params, grads, "Optimizer.step"), new_state
 

@@ -7,10 +7,11 @@ gathered buffer with a small `_Handle` (unit, buffer, view geometry), so the buf
 can be dropped when its unit's module returns. In backward the first unpack of a unit
 regathers it, from the whole shard group or, with `reshard_after_forward=k`, from the 1/k
 slice each rank kept over groups of k ranks, and issues the regather of the unit that ran
-before it in forward (a prefetch). The regathered buffers are dropped when the unit's gather
-nodes are about to run (a node pre-hook): by then the unit's backward is done, and the
-gather's backward reads no parameter. torch.func refuses saved-tensor hooks, so under its
-transforms nothing is resharded (see `funcshard.sharded_call`).
+before it in forward (a prefetch); the unit that ran last in forward keeps its buffers
+(`forward_done`), since backward needs it first. The regathered buffers are dropped when
+the unit's gather nodes are about to run (a node pre-hook): by then the unit's backward is
+done, and the gather's backward reads no parameter. torch.func refuses saved-tensor hooks,
+so under its transforms nothing is resharded (see `funcshard.sharded_call`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class Regather:
         self.full: dict[int, tuple[Tensor, ...]] = {}  # unit -> its regathered buffers
         self.finished: set[int] = set()  # units whose gather nodes ran
         self.unfinished: dict[int, int] = {}  # unit -> its gather nodes still to run
+        self.latest: tuple[int, tuple[Tensor, ...]] | None = None  # the unit that returned
+        # last and its gathered buffers, until another unit starts: see `forward_done`
+        self.started: set[int] = set()  # units backward has asked for
 
     def track(self, unit: int, flat_index: int, full: Tensor, views: tuple[Tensor, ...]) -> None:
         """Recognize `full` (a gathered buffer of `unit`) in `pack`, unless the unit stays
@@ -89,8 +93,25 @@ class Regather:
             self.slices[unit] = tuple(
                 f.detach().chunk(self.k)[index].clone() for f in fulls if f is not None
             )
+        else:
+            self.latest = (unit, tuple(f for f in fulls if f is not None))
         for tensor in fulls:
             self.owner_of.pop(id(tensor), None)
+
+    def entered(self, unit: int) -> None:
+        """A unit's module is about to run: the one that returned before it is released."""
+        self.latest = None
+
+    def forward_done(self) -> None:
+        """The call returned: the unit that ran last keeps its gathered buffers for backward,
+        which needs that unit first (regathering it would gather what is still here). The
+        peak is no higher: backward's first unpack would regather it at once, with every
+        activation still alive."""
+        if self.latest is not None:
+            unit, fulls = self.latest
+            self.latest = None
+            if len(fulls) == len(self.run.binding.unit_flats[unit]):
+                self.full[unit] = fulls
 
     def pack(self, tensor: Tensor) -> Any:
         chaos.point()
@@ -115,6 +136,8 @@ class Regather:
         if unit not in self.full:
             self.issue(unit)
             self.full[unit] = tuple(p.wait() for p in run.pending.pop(unit))
+        if unit not in self.started:  # backward reached this unit: regather the next one
+            self.started.add(unit)
             nxt = self._next(unit) if run.prefetch else None
             if nxt is not None:
                 self.issue(nxt)

@@ -5,7 +5,8 @@
 the duration of the call. The pre-hook gathers the unit through `funcshard.gather.gather` (the
 differentiable gather, see [Note: one differentiable gather]; its all-gathers were usually
 issued earlier, as a prefetch), swaps the parameters into the module's slots, and issues the
-next unit's all-gathers so they overlap this unit's compute. The post-hook swaps meta
+next unit's all-gathers so they overlap this unit's compute (the first unit's are issued when
+the call starts, right after the whole-call units'). The post-hook swaps meta
 placeholders back in and drops the gathered buffers. The root unit, and any unit whose
 parameters are also used from outside its own module (a tied weight across units), stay
 gathered for the whole call. Outside its unit's forward a parameter slot holds a meta
@@ -143,7 +144,9 @@ class _Run:
         self.prefetch = prefetch is not False and not self.functorch
         explicit = prefetch if isinstance(prefetch, Prefetch) else Prefetch()
         forward = self._units_named(explicit.forward) if explicit.forward is not None else None
-        self.forward_next = _successors(forward or self._sharded_units())
+        forward = forward or self._sharded_units()
+        self.forward_next = _successors(forward)
+        self.first_forward = forward[0] if forward else None
         self.backward_next = (
             _successors(self._units_named(explicit.backward))
             if explicit.backward is not None
@@ -171,6 +174,16 @@ class _Run:
             gather.issue_gather(self.state.shards[i], self.specs[i])
             for i in self.binding.unit_flats[unit]
         )
+
+    def start(self) -> None:
+        """Issue the all-gathers a call begins with: the whole-call units', then (as a
+        prefetch) the first unit's in forward order, so that it overlaps the wait for the
+        whole-call units and the compute before the first unit."""
+        for unit in range(len(self.binding.unit_names)):
+            if unit in self.binding.whole_call:
+                self.issue(unit)
+        if self.prefetch and self.first_forward is not None:
+            self.issue(self.first_forward)
 
     def gathered(self, unit: int) -> tuple[Tensor, ...]:
         """A unit's parameters, waiting for its all-gathers (issuing them if needed). Made
@@ -214,6 +227,8 @@ class _Run:
 
     def enter(self, unit: int) -> None:
         """A unit's module is about to run: put its parameters in place, prefetch the next."""
+        if self.regather is not None:  # (first: the unit before is released before this
+            self.regather.entered(unit)  # one is gathered, if it was not prefetched)
         params = self.gathered(unit)
         self.order.append(unit)
         nxt = self.forward_next.get(unit) if self.prefetch else None
@@ -310,6 +325,7 @@ class _Run:
         self.full = [f if k else None for f, k in zip(self.full, keep, strict=True)]
         self.params = [p if k else None for p, k in zip(self.params, keep, strict=True)]
         if isinstance(self._regather, Regather):
+            self._regather.forward_done()
             self._regather = weakref.ref(self._regather)
 
 
@@ -478,6 +494,7 @@ def _eager_call(
             set_slot(slot, state.replicated[fqn])
         for slot, fqn in binding.buffer_slots:
             set_slot(slot, new_buffers[fqn])
+        run.start()
         for unit in range(len(binding.unit_names)):
             if unit in binding.whole_call:
                 run.enter(unit)

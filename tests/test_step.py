@@ -33,14 +33,15 @@ def _one_step_trace(mesh_kwargs: dict, reshard, rank: int) -> list:
 @pytest.mark.parametrize(
     ("mesh_kwargs", "reshard", "world", "expected"),
     [
-        # 4 units (3 blocks + root); the root stays gathered for the whole step
-        ({"shard": 2}, True, 2, {"all_gather": 4 + 3, "reduce_scatter": 4}),
+        # 4 units (3 blocks + root); the root stays gathered for the whole step; backward
+        # regathers every block but the last, which forward leaves gathered for it
+        ({"shard": 2}, True, 2, {"all_gather": 4 + 2, "reduce_scatter": 4}),
         ({"shard": 2}, False, 2, {"all_gather": 4, "reduce_scatter": 4}),
         (
             {"replicate": 2, "shard": 2},
             True,
             4,
-            {"all_gather": 7, "reduce_scatter": 4, "all_reduce": 4},
+            {"all_gather": 6, "reduce_scatter": 4, "all_reduce": 4},
         ),
         ({"replicate": 2}, True, 2, {"all_reduce": 4}),  # DDP: gathers over a size-1 axis are free
     ],
@@ -256,9 +257,10 @@ def _explicit_prefetch_trace(rank: int) -> tuple:
 
 def test_explicit_prefetch_orders_decide_what_is_gathered_next():
     issued, same_loss, error = testing.run(_explicit_prefetch_trace, world_size=2)[0]
-    # forward: root, blocks.0 (which prefetches blocks.2), blocks.1 on demand; backward:
-    # blocks.2 (prefetching blocks.0), blocks.1 on demand
-    assert issued == ["", "blocks.0", "blocks.2", "blocks.1", "blocks.2", "blocks.0", "blocks.1"]
+    # forward: root, blocks.0 (first in the forward order: issued as the call starts), which
+    # prefetches blocks.2, blocks.1 on demand; backward: blocks.2 (ran last: still gathered)
+    # prefetches blocks.0, blocks.1 on demand
+    assert issued == ["", "blocks.0", "blocks.2", "blocks.1", "blocks.0", "blocks.1"], issued
     assert same_loss
     assert "prefetch names ['b9'], which are not units of this state" in error
 
