@@ -402,29 +402,21 @@ def _adam_family(
         decay: bool | Tensor = True,
         donate: bool = False,
     ) -> None:
-        """torch's fused Adam(W) kernel: writes `target`, `m` and `v` in place."""
+        """torch's fused Adam(W) kernel on one tensor, its decay whole, none, or where a bool
+        tensor holds: writes `target`, `m` and `v` in place."""
         if isinstance(decay, Tensor):
             g = masked_decay(target, g, decay, _lr_at(lr, step), donate)
-        fused(
-            [target],
-            [g],
-            [m],
-            [v],
-            [],
-            [step.to(torch.float32).clone()],
-            lr=_lr_at(lr, step),
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=weight_decay if decay is True else 0.0,
-            eps=eps,
-            amsgrad=False,
-            maximize=False,
-        )
+        fused_many([target], [g], [m], [v], step, weight_decay if decay is True else 0.0)
 
     def fused_many(
-        targets: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], step: Tensor
+        targets: list[Tensor],
+        gs: list[Tensor],
+        ms: list[Tensor],
+        vs: list[Tensor],
+        step: Tensor,
+        decay: float = weight_decay,
     ) -> None:
-        """torch's fused Adam(W) kernel over many fully decayed tensors: one call per (device,
+        """torch's fused Adam(W) kernel over many tensors decayed alike: one call per (device,
         dtypes) group rather than one per tensor, whose Python and dispatch cost is paid per
         flat buffer, i.e. per unit. Writes `targets`, `ms` and `vs` in place."""
         rate, count = _lr_at(lr, step), step.to(torch.float32)
@@ -445,7 +437,7 @@ def _adam_family(
                 lr=rate,
                 beta1=beta1,
                 beta2=beta2,
-                weight_decay=weight_decay,
+                weight_decay=decay,
                 eps=eps,
                 amsgrad=False,
                 maximize=False,
