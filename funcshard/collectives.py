@@ -245,21 +245,23 @@ class Exchange:
     """The sends and receives of one exchange in flight; `wait()` waits for all of them and
     then runs what finishes the result (the reduce-scatter's sum)."""
 
-    __slots__ = ("_finish", "_timeout", "_works")
+    __slots__ = ("_finish", "_group", "_timeout", "_works")
 
     def __init__(
         self,
+        group: ProcessGroup,
         works: list[dist.Work],
-        timeout: timedelta,
         finish: Callable[[], None] | None = None,
     ) -> None:
+        self._group = group
         self._works = works
-        self._timeout = timeout  # gloo's point-to-point waits default to forever
+        self._timeout = _timeout(group)  # gloo's point-to-point waits default to forever
         self._finish = finish
 
     def __del__(self) -> None:
         if self._works:  # dropped unwaited (a prefetch nobody used): see `_wait_orphans`
-            _ORPHANS.append((self._works, self._timeout))
+            _ORPHANS.append((self._group, self._works, self._timeout))
+            del _ORPHANS[:-_ORPHANS_KEPT]  # those of groups destroyed since go unwaited
 
     def wait(self) -> None:
         for work in self._works:
@@ -273,7 +275,7 @@ class Exchange:
 def _exchange_all_gather(shard: Tensor, group: ProcessGroup) -> tuple[Tensor, Exchange]:
     """Start gathering every rank's 1-D `shard` in rank order; returns the output (read it
     only after the exchange's `wait`) and the exchange."""
-    _wait_orphans()
+    _wait_orphans(group)
     n, me, tag = group.size(), group.rank(), _next_tag(group)
     out = shard.new_empty(shard.numel() * n)
     for observe in _GATHER_OBSERVERS:
@@ -283,7 +285,7 @@ def _exchange_all_gather(shard: Tensor, group: ProcessGroup) -> tuple[Tensor, Ex
     peers = _peers(n, me)
     works = [group.send([shard], peer, tag) for peer in peers]
     works += [group.recv([chunks[peer]], peer, tag) for peer in peers]
-    return out, Exchange(works, _timeout(group))
+    return out, Exchange(group, works)
 
 
 def _exchange_reduce_scatter(flat: Tensor, group: ProcessGroup, op: str) -> tuple[Tensor, Exchange]:
@@ -291,7 +293,7 @@ def _exchange_reduce_scatter(flat: Tensor, group: ProcessGroup, op: str) -> tupl
     the result (read it only after the exchange's `wait`) and the exchange. Holds `flat`
     until its chunks are sent, and besides the result, a receive buffer for the peers past
     the first (none on 2 ranks)."""
-    _wait_orphans()
+    _wait_orphans(group)
     n, me, tag = group.size(), group.rank(), _next_tag(group)
     parts = flat.view(n, -1)
     peers = _peers(n, me)
@@ -308,7 +310,7 @@ def _exchange_reduce_scatter(flat: Tensor, group: ProcessGroup, op: str) -> tupl
         if op == "avg":
             out.div_(n)
 
-    return out, Exchange(works, _timeout(group), finish)
+    return out, Exchange(group, works, finish)
 
 
 def _peers(n: int, me: int) -> list[int]:
@@ -317,7 +319,8 @@ def _peers(n: int, me: int) -> list[int]:
     return [(me + k) % n for k in range(1, n)]
 
 
-_ORPHANS: list[tuple[list[dist.Work], timedelta]] = []
+_ORPHANS: list[tuple[ProcessGroup, list[dist.Work], timedelta]] = []
+_ORPHANS_KEPT = 64
 _GATHER_OBSERVERS: list[Callable[[Tensor], None]] = []
 
 
@@ -333,14 +336,18 @@ def observe_gathers(observe: Callable[[Tensor], None]) -> Iterator[None]:
         _GATHER_OBSERVERS.remove(observe)
 
 
-def _wait_orphans() -> None:
-    """Finish the exchanges dropped before their wait. Unlike a collective, which completes
-    once every rank issued it, a send or receive dropped half done leaves its peer's partner
-    waiting, and gloo's pair with it; so a dropped exchange's works are kept and waited here,
-    before the next exchange is issued. Every rank issued the dropped one before this point
-    (same collectives, same order), so its messages are on their way."""
-    while _ORPHANS:
-        works, timeout = _ORPHANS.pop()
+def _wait_orphans(group: ProcessGroup) -> None:
+    """Finish the exchanges on `group` dropped before their wait. Unlike a collective, which
+    completes once every rank issued it, a send or receive dropped half done leaves its
+    peer's partner waiting, and gloo's pair with it; so a dropped exchange's works are kept
+    and waited here, before the group's next exchange is issued. Every rank of the group
+    issued the dropped one before this point (same collectives, same order), so its
+    messages are on their way."""
+    mine = [entry for entry in _ORPHANS if entry[0] is group]
+    if not mine:
+        return
+    _ORPHANS[:] = [entry for entry in _ORPHANS if entry[0] is not group]
+    for _, works, timeout in mine:
         for work in works:
             work.wait(timeout)
 
