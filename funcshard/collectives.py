@@ -155,11 +155,12 @@ def all_gather(shard: Tensor, group: ProcessGroup, what: str | None = None) -> P
 
 def _gathering(shard: Tensor, group: ProcessGroup, op: str, what: str | None) -> Pending:
     """Issue the all-gather itself (no count, record or check: `_agree` uses it too)."""
-    if _eager(shard) and _is_gloo(group):
+    eager = _eager(shard)
+    if eager and _is_gloo(group):
         with _below_autograd():
             out, work = _exchange_all_gather(shard.detach(), group)
         return Pending(out, op=op, group=group, what=what, work=work)
-    if _eager(shard):
+    if eager:
         out = shard.new_empty(shard.numel() * group.size())
         with _below_autograd():
             work = group._allgather_base(_real(out), _real(shard))
@@ -181,11 +182,12 @@ def reduce_scatter(
     if group.size() == 1:
         return Pending(flat, done=True)
     _before("reduce_scatter", group, flat, what)
-    if _eager(flat) and _is_gloo(group):
+    eager = _eager(flat)
+    if eager and _is_gloo(group):
         with _below_autograd():
             out, work = _exchange_reduce_scatter(flat if owned else flat.clone(), group, op)
         return Pending(out, op="reduce_scatter", group=group, what=what, work=work)
-    if _eager(flat):
+    if eager:
         out = flat.new_empty(flat.numel() // group.size())
         with _below_autograd():
             work = group._reduce_scatter_base(_real(out), _real(flat), _REDUCE_SCATTER_OPTIONS[op])
@@ -200,11 +202,11 @@ def reduce_scatter(
 # (`_allgather_base`, `_reduce_scatter_base`, `allreduce`), the ones torch.distributed's
 # `async_op=True` functions call, and its Pending holds the Work until it is waited; on
 # gloo, all-gathers and reduce-scatters are point-to-point exchanges instead (see [Note:
-# gloo collectives as exchanges]). Traced steps keep the
-# functional ops, which graphs need. Two reasons. torch's gloo backend under
-# the functional ops (`_c10d_functional.*` then `wait_tensor`) now and then corrupts the
-# heap of a process when collectives overlap on a loaded machine: glibc's "malloc():
-# unaligned tcache chunk detected" or a segmentation fault inside `wait_tensor`;
+# gloo collectives as exchanges]). Traced steps keep the functional ops, which graphs need.
+# Two reasons. torch's gloo backend under the functional ops (`_c10d_functional.*` then
+# `wait_tensor`) now and then corrupts the heap of a process when collectives overlap on a
+# loaded machine: glibc's "malloc(): unaligned tcache chunk detected" or a segmentation
+# fault inside `wait_tensor`;
 # scripts/gloo_heap_repro.py reproduces it with torch alone (no funcshard) and runs the
 # same stream of collectives through the Work API, which never crashed (figures there).
 # And the functional ops cost more CPU per call: on torch's fake group, a 32-block step

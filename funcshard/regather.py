@@ -98,7 +98,7 @@ class Regather:
         for tensor in fulls:
             self.owner_of.pop(id(tensor), None)
 
-    def entered(self, unit: int) -> None:
+    def entered(self) -> None:
         """A unit's module is about to run: the one that returned before it is released."""
         self.latest = None
 
