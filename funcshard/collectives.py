@@ -12,10 +12,10 @@ uses `gathered`, `reduced_scattered` and `all_reduced`: the functional ops, wait
 since the compiler places the waits.
 
 A size-1 group communicates nothing: gathering or reducing over it returns the input, which
-is how one code path serves FSDP (shard axis > 1), DDP (shard axis 1) and HSDP.
-
-Not yet here: the CUDA stream path (dedicated copy-in, all-gather, reduce-scatter and
-all-reduce streams ordered by events) awaits a session with a GPU to run it.
+is how one code path serves FSDP (shard axis > 1), DDP (shard axis 1) and HSDP. The
+test-only switch `communicate_alone()` sends them through the process group anyway, so that
+NCCL at world size 1 runs real kernels on the streams below (see [Note: collectives on
+their own streams]).
 """
 
 from __future__ import annotations
@@ -40,6 +40,27 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from funcshard import chaos
 
 _ops = torch.ops._c10d_functional
+
+_COMMUNICATE_ALONE = [os.environ.get("FUNCSHARD_COMMUNICATE_ALONE") == "1"]
+
+
+def alone(group: ProcessGroup) -> bool:
+    """Whether collectives over `group` are skipped: it has one rank, and the test-only
+    switch (`communicate_alone`) is off."""
+    return group.size() == 1 and not _COMMUNICATE_ALONE[0]
+
+
+@contextlib.contextmanager
+def communicate_alone(on: bool = True) -> Iterator[None]:
+    """Test-only: inside the block, collectives over one-rank groups go through the process
+    group rather than returning their input (the environment variable
+    FUNCSHARD_COMMUNICATE_ALONE=1 sets it for a whole process). NCCL at world size 1 then
+    launches its kernels on the collective streams, as on many GPUs."""
+    was, _COMMUNICATE_ALONE[0] = _COMMUNICATE_ALONE[0], on
+    try:
+        yield
+    finally:
+        _COMMUNICATE_ALONE[0] = was
 
 
 def _below_autograd() -> contextlib.AbstractContextManager:
@@ -105,7 +126,7 @@ class Pending:
     `Exchange` (see [Note: eager collectives through Work objects]);
     without one, `tensor` came from a functional op (traced) and `wait_tensor` waits for it."""
 
-    __slots__ = ("_done", "_group", "_op", "_tensor", "_what", "_work")
+    __slots__ = ("_done", "_group", "_input", "_op", "_tensor", "_what", "_work")
 
     def __init__(
         self,
@@ -115,11 +136,13 @@ class Pending:
         group: ProcessGroup | None = None,
         what: str | None = None,
         work: dist.Work | Exchange | None = None,
+        input: Tensor | None = None,
     ) -> None:
         self._tensor = tensor
         self._done = done
         self._op, self._group, self._what = op, group, what
         self._work = work
+        self._input = input  # held until the wait: see [Note: collectives on their own streams]
 
     def wait(self) -> Tensor:
         if not self._done:
@@ -127,7 +150,7 @@ class Pending:
             try:  # a collective's failure (timeout, a peer gone) surfaces here
                 if self._work is not None:
                     self._work.wait()
-                    self._work = None  # it holds the collective's tensors
+                    self._work = self._input = None  # they hold the collective's tensors
                 else:
                     with _below_autograd():
                         self._tensor = _ops.wait_tensor(self._tensor)
@@ -147,7 +170,7 @@ def all_gather(shard: Tensor, group: ProcessGroup, what: str | None = None) -> P
 
     `what` (e.g. the unit's name) only labels the error if the collective fails.
     """
-    if group.size() == 1:
+    if alone(group):
         return Pending(shard, done=True)
     _before("all_gather", group, shard, what)
     return _gathering(shard, group, "all_gather", what)
@@ -161,10 +184,10 @@ def _gathering(shard: Tensor, group: ProcessGroup, op: str, what: str | None) ->
             out, work = _exchange_all_gather(shard.detach(), group)
         return Pending(out, op=op, group=group, what=what, work=work)
     if eager:
-        out = shard.new_empty(shard.numel() * group.size())
-        with _below_autograd():
+        out = shard.new_empty(shard.numel() * group.size())  # on the compute stream
+        with _below_autograd(), on_stream("all_gather", shard.device):
             work = group._allgather_base(_real(out), _real(shard))
-        return Pending(out, op=op, group=group, what=what, work=work)
+        return Pending(out, op=op, group=group, what=what, work=work, input=shard)
     with _below_autograd():
         out = _ops.all_gather_into_tensor(shard, group.size(), group.group_name)
     return Pending(out, op=op, group=group, what=what)
@@ -179,7 +202,7 @@ def reduce_scatter(
     never written); otherwise gloo's exchange reads a copy, so the caller may write `flat`
     at once, as after any other collective's issue.
     """
-    if group.size() == 1:
+    if alone(group):
         return Pending(flat, done=True)
     _before("reduce_scatter", group, flat, what)
     eager = _eager(flat)
@@ -188,10 +211,10 @@ def reduce_scatter(
             out, work = _exchange_reduce_scatter(flat if owned else flat.clone(), group, op)
         return Pending(out, op="reduce_scatter", group=group, what=what, work=work)
     if eager:
-        out = flat.new_empty(flat.numel() // group.size())
-        with _below_autograd():
+        out = flat.new_empty(flat.numel() // group.size())  # on the compute stream
+        with _below_autograd(), on_stream("reduce_scatter", flat.device):
             work = group._reduce_scatter_base(_real(out), _real(flat), _REDUCE_SCATTER_OPTIONS[op])
-        return Pending(out, op="reduce_scatter", group=group, what=what, work=work)
+        return Pending(out, op="reduce_scatter", group=group, what=what, work=work, input=flat)
     with _below_autograd():
         out = _ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name)
     return Pending(out, op="reduce_scatter", group=group, what=what)
@@ -214,6 +237,69 @@ def reduce_scatter(
 # through the process group's methods (benchmarks/overhead_matrix.py). Same collectives,
 # same order, same results; on NCCL, `Work.wait()` makes the current stream wait, as
 # `wait_tensor` does.
+
+
+# [Note: collectives on their own streams]
+# On a GPU, an eager collective is issued from a stream of its kind, one per device:
+# all-gather (with the copy-in before it: the cast to the gather dtype, the host-to-device
+# copy of an offloaded shard), reduce-scatter and all-reduce. FSDP2 splits its streams the
+# same way. Three rules order them against the compute stream with events alone, with no
+# `record_stream` and no synchronize:
+#
+# 1. Every buffer a collective writes (its output, the copy-in's result) is allocated on
+#    the compute stream before the collective is issued, so the caching allocator
+#    hands its memory back on the stream that reads it last;
+# 2. entering the collective's stream first makes it wait for the compute stream
+#    (`wait_stream`: an event recorded there), so the copy-in reads finished inputs and
+#    writes memory that no earlier compute kernel still reads; NCCL's own stream in turn
+#    waits for the collective's stream when the collective is issued;
+# 3. `Pending.wait()` makes the compute stream wait for the collective (NCCL's
+#    `Work.wait()`), and the Pending holds the collective's input until then, so nothing
+#    reads a result, or frees an input, before the collective is through with it.
+#
+# The overlap comes from issue order: a unit's prefetched all-gather is issued before the
+# compute of the unit before it, and a unit's reduce-scatter runs while backward computes
+# the units before it. On CPU tensors none of this applies and nothing changes.
+
+
+_STREAM_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+_STREAMS: dict[torch.device, dict[str, Any]] = {}
+
+
+def collective_stream(kind: str, device: torch.device) -> Any:
+    """The stream collectives of `kind` ("all_gather", "reduce_scatter", "all_reduce") are
+    issued from on `device` (a GPU; made on first use, one per kind and device)."""
+    streams = _STREAMS.get(device)
+    if streams is None:
+        module = torch.get_device_module(device.type)
+        streams = {kind: module.Stream(device) for kind in _STREAM_KINDS}
+        _STREAMS[device] = streams
+    return streams[kind]
+
+
+def on_stream(kind: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Run the block on `kind`'s collective stream, after what the compute stream has
+    queued so far (see [Note: collectives on their own streams]); on the CPU, as it is."""
+    if device.type == "cpu" or device.type == "meta":
+        return contextlib.nullcontext()
+    module = torch.get_device_module(device.type)
+    stream = collective_stream(kind, device)
+    stream.wait_stream(module.current_stream(device))
+    return module.stream(stream)
+
+
+def copy_in(tensor: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """`tensor` on `device` in `dtype`, the copy (a cast, or a host-to-device copy of an
+    offloaded shard) made on the all-gather stream into memory of the compute stream (see
+    [Note: collectives on their own streams]); `tensor` itself when nothing changes."""
+    if tensor.device == device and tensor.dtype == dtype:
+        return tensor
+    if device.type == "cpu" or _traced(tensor):
+        return tensor.to(device, dtype)
+    out = torch.empty(tensor.shape, dtype=dtype, device=device)
+    with on_stream("all_gather", device):
+        out.copy_(tensor, non_blocking=tensor.is_pinned())
+    return out
 
 
 # [Note: gloo collectives as exchanges]
@@ -304,12 +390,12 @@ def _exchange_reduce_scatter(flat: Tensor, group: ProcessGroup, op: str) -> tupl
     peers = _peers(n, me)
     out = flat.new_empty(parts.shape[1])
     others = flat.new_empty(n - 2, parts.shape[1]) if n > 2 else None
-    targets = [out, *(others.unbind(0) if others is not None else ())]
+    targets = [out, *(others.unbind(0) if others is not None else ())][: n - 1]
     works = [group.send([parts[peer]], peer, tag) for peer in peers]
     works += [group.recv([into], peer, tag) for peer, into in zip(peers, targets, strict=True)]
 
     def finish() -> None:
-        out.add_(parts[me])
+        out.add_(parts[me]) if n > 1 else out.copy_(parts[me])  # one rank: communicate_alone
         if others is not None:
             out.add_(others.sum(0))
         if op == "avg":
@@ -446,12 +532,12 @@ def all_reduce(
     `inplace=True` reduces into `tensor` itself (the caller owns it and reads it only after
     `wait()`), saving an output buffer of the same size.
     """
-    if group.size() == 1:
+    if alone(group):
         return Pending(tensor, done=True)
     _before("all_reduce", group, tensor, what)
     if _eager(tensor):
         out = tensor if inplace else tensor.clone(memory_format=torch.contiguous_format)
-        with _below_autograd():
+        with _below_autograd(), on_stream("all_reduce", tensor.device):
             work = group.allreduce([_real(out)], _ALL_REDUCE_OPTIONS[op])
         return Pending(out, op="all_reduce", group=group, what=what, work=work)
     reduce = _ops.all_reduce_ if inplace else _ops.all_reduce
@@ -463,7 +549,7 @@ def all_reduce(
 def all_to_all(tensor: Tensor, group: ProcessGroup, what: str | None = None) -> Pending:
     """Split `tensor` along dim 0 into group-size equal chunks; chunk j goes to rank j, and
     the result holds every rank's chunk for this rank, in rank order (same shape)."""
-    if group.size() == 1:
+    if alone(group):
         return Pending(tensor, done=True)
     _before("all_to_all", group, tensor, what)
     if _eager(tensor):
@@ -479,7 +565,7 @@ def all_to_all(tensor: Tensor, group: ProcessGroup, what: str | None = None) -> 
 
 def all_to_alled(tensor: Tensor, group: ProcessGroup) -> Tensor:
     """`all_to_all(...).wait()` as plain graph nodes (see `gathered`)."""
-    if group.size() == 1:
+    if alone(group):
         return tensor
     splits = [tensor.shape[0] // group.size()] * group.size()
     return _ops.wait_tensor(_ops.all_to_all_single(tensor, splits, splits, group.group_name))
@@ -488,21 +574,21 @@ def all_to_alled(tensor: Tensor, group: ProcessGroup) -> Tensor:
 def gathered(shard: Tensor, group: ProcessGroup) -> Tensor:
     """`all_gather(...).wait()` as plain graph nodes, for steps dynamo traces
     (funcshard/compiled.py): no record, no cross-rank check, no error wrapping."""
-    if group.size() == 1:
+    if alone(group):
         return shard
     return _ops.wait_tensor(_ops.all_gather_into_tensor(shard, group.size(), group.group_name))
 
 
 def reduced_scattered(flat: Tensor, group: ProcessGroup, op: str = "avg") -> Tensor:
     """`reduce_scatter(...).wait()` as plain graph nodes (see `gathered`)."""
-    if group.size() == 1:
+    if alone(group):
         return flat
     return _ops.wait_tensor(_ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name))
 
 
 def all_reduced(tensor: Tensor, group: ProcessGroup, op: str = "avg") -> Tensor:
     """`all_reduce(...).wait()` as plain graph nodes (see `gathered`)."""
-    if group.size() == 1:
+    if alone(group):
         return tensor
     return _ops.wait_tensor(_ops.all_reduce(tensor, op, group.group_name))
 
@@ -647,7 +733,7 @@ def _agree(op: str, group: ProcessGroup, tensor: Tensor, what: str | None) -> No
 
 def broadcast(tensor: Tensor, group: ProcessGroup, src_rank: int) -> Tensor:
     """Return `tensor` as held by global rank `src_rank` (the input is not written)."""
-    if group.size() == 1:
+    if alone(group):
         return tensor
     out = tensor.detach().clone()
     dist.broadcast(out, src=src_rank, group=group)

@@ -89,7 +89,7 @@ class GatherSpec:
 
     @property
     def across_replicas(self) -> bool:
-        return self.reduction == "mean" and self.mesh.replicate_size > 1
+        return self.reduction == "mean" and not collectives.alone(self.mesh.replicate_group)
 
     def __post_init__(self) -> None:
         # computed once per spec (specs are made once per layout: `_specs`), not per step
@@ -184,8 +184,12 @@ def issue_gather(shard: Tensor, spec: GatherSpec) -> collectives.Pending:
     gather runs now, to its end."""
     if spec.user_gather:
         return collectives.Pending(user_gather(shard.detach(), spec), done=True)
-    data = shard.detach().to(spec.device, spec.gather_dtype)
-    return collectives.all_gather(data, spec.mesh.shard_group, what=spec.flat.unit)
+    group = spec.mesh.shard_group
+    if collectives.alone(group):  # the copy is the result: made on the compute stream
+        data = shard.detach().to(spec.device, spec.gather_dtype, non_blocking=shard.is_pinned())
+        return collectives.Pending(data, done=True)
+    data = collectives.copy_in(shard.detach(), spec.device, spec.gather_dtype)
+    return collectives.all_gather(data, group, what=spec.flat.unit)
 
 
 def gather(
@@ -248,7 +252,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         shard, _, ctx.spec, _, ctx.deferred = inputs
-        ctx.shard_dtype = shard.dtype
+        ctx.shard_dtype, ctx.shard_device = shard.dtype, shard.device
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -267,7 +271,8 @@ class _Gather(torch.autograd.Function):
             return None, _prepared(full, spec), None, None, None
         if ctx.deferred is not None and not spec.user_reduce and _may_defer(ctx.deferred):
             return _THROTTLE.issue(_prepared(full, spec), spec), None, None, None, None
-        return reduce(full, spec).to(ctx.shard_dtype), None, None, None, None
+        grad = reduce(full, spec).to(ctx.shard_device, ctx.shard_dtype)  # offload: to the host
+        return grad, None, None, None, None
 
 
 def _legacy_batched(grads: tuple[Tensor | None, ...]) -> bool:
@@ -430,7 +435,7 @@ def reduce_whole(
             grad = grad * mesh.shard_size
     else:
         grad = shard_axis.reduce_scatter(full, op)
-    if all_reduce and mesh.replicate_size > 1:
+    if all_reduce and not collectives.alone(mesh.replicate_group):
         grad = MeshAxis(mesh, "replicate").all_reduce(grad, op)
     return grad, carry
 
@@ -495,23 +500,23 @@ class _DeferWait(torch.autograd.Function):
     def forward(specs: tuple[GatherSpec, ...], *shards: Tensor) -> tuple[Tensor, ...]:
         return tuple(
             shard.view_as(shard)
-            if shard.dtype == spec.reduce_dtype
-            else shard.new_zeros((), dtype=spec.reduce_dtype).expand(shard.shape)  # unread
-            for shard, spec in zip(shards, specs, strict=True)
+            if shard.dtype == spec.reduce_dtype and shard.device == spec.device
+            else torch.zeros((), dtype=spec.reduce_dtype, device=spec.device).expand(shard.shape)
+            for shard, spec in zip(shards, specs, strict=True)  # unread: see Deferred
         )
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        ctx.shard_dtypes = tuple(shard.dtype for shard in inputs[1:])
+        ctx.shards = tuple((shard.device, shard.dtype) for shard in inputs[1:])
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         chaos.point()
         synchronous = torch.is_grad_enabled()  # a synchronous backward reduced already
-        out = [
-            None if g is None else (g if synchronous else _THROTTLE.wait(g)).to(dtype)
-            for g, dtype in zip(grads, ctx.shard_dtypes, strict=True)
+        out = [  # an offloaded shard's gradient goes to the host here
+            None if g is None else (g if synchronous else _THROTTLE.wait(g)).to(device, dtype)
+            for g, (device, dtype) in zip(grads, ctx.shards, strict=True)
         ]
         return None, *out
 
@@ -534,7 +539,7 @@ class _Throttle:
         after `wait`."""
         self._finish_last()
         mesh, unit = spec.mesh, spec.flat.unit
-        if mesh.shard_size > 1:
+        if not collectives.alone(mesh.shard_group):
             pending = collectives.reduce_scatter(
                 grad, mesh.shard_group, "avg", what=unit, owned=True
             )
@@ -553,7 +558,7 @@ class _Throttle:
         pending, result, spec = self.last
         self.last = None
         pending.wait()
-        if spec.mesh.shard_size > 1 and spec.across_replicas:
+        if not collectives.alone(spec.mesh.shard_group) and spec.across_replicas:
             group, unit = spec.mesh.replicate_group, spec.flat.unit
             across = collectives.all_reduce(result, group, "avg", inplace=True, what=unit)
             self.across[id(result)] = (result, across)

@@ -132,7 +132,8 @@ class _Run:
         self.relinked: set[int] = set()  # whole-call units given their later gather node
         # nothing to free on a size-1 shard axis, where the "gathered" buffers are the shards
         # themselves (unless mixed precision or offload made them copies)
-        copies = layout.mesh.shard > 1 or state.mp is not None or state.offload
+        alone = collectives.alone(layout.mesh.shard_group)
+        copies = not alone or state.mp is not None or state.offload
         reshard = state.reshard_after_forward is not False and copies
         if reshard and self.functorch and any(self.differentiable):
             _warn_kept_gathered()

@@ -50,7 +50,9 @@ def shard(
     which no checkpoint holds, are computed by `reset_buffers()` or by `fn` (a transformers
     model: `init=fs.skip(model._init_weights)`).
     `reshard_after_forward` is True, False or an int k that divides the shard size.
-    `offload=True` keeps shards in CPU memory; on a CPU mesh that is where they are anyway.
+    `offload=True` keeps shards (and so gradients and optimizer state) in CPU memory, pinned
+    on a GPU mesh: each unit's shards are copied in ahead of use, and the optimizer steps on
+    the CPU, as FSDP2's CPU offload does. On a CPU mesh that is where they are anyway.
 
     Communicates: one all-gather of a plan fingerprint over the mesh (every rank raises,
     naming the first differing parameter, if the ranks disagree), then a broadcast of each
@@ -74,8 +76,9 @@ def shard(
         )
     else:
         _check_same_values_everywhere(params, layout, mesh)
+        where = torch.device("cpu") if offload else mesh.device  # offload: never whole on a GPU
         shards = [
-            local_slice([params[f].to(mesh.device) for f in flat.fqns], flat, mesh.shard_rank)
+            local_slice([params[f].to(where) for f in flat.fqns], flat, mesh.shard_rank)
             for flat in layout.flats
         ]
         replicated = {f: params[f].detach().to(mesh.device, copy=True) for f in layout.replicated}
@@ -84,6 +87,8 @@ def shard(
         name: collectives.broadcast(b, mesh.group, src_rank=mesh.ranks[0])
         for name, b in buffers.items()
     }
+    if offload:
+        shards = [_to_host(s) for s in shards]
     return ShardedState(
         shards=tuple(shards),
         replicated=replicated,
@@ -93,6 +98,13 @@ def shard(
         reshard_after_forward=reshard_after_forward,
         offload=offload,
     )
+
+
+def _to_host(shard: Tensor) -> Tensor:
+    """An offloaded shard: in CPU memory, pinned where a GPU can copy from it
+    asynchronously (each all-gather copies it in on the all-gather stream)."""
+    host = shard.detach().to("cpu")
+    return host.pin_memory() if shard.device.type == "cuda" else host
 
 
 def unshard(
