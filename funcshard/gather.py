@@ -500,23 +500,23 @@ class _DeferWait(torch.autograd.Function):
     def forward(specs: tuple[GatherSpec, ...], *shards: Tensor) -> tuple[Tensor, ...]:
         return tuple(
             shard.view_as(shard)
-            if shard.dtype == spec.reduce_dtype and shard.device == spec.device
-            else torch.zeros((), dtype=spec.reduce_dtype, device=spec.device).expand(shard.shape)
-            for shard, spec in zip(shards, specs, strict=True)  # unread: see Deferred
+            if shard.dtype == spec.reduce_dtype
+            else shard.new_zeros((), dtype=spec.reduce_dtype).expand(shard.shape)  # unread
+            for shard, spec in zip(shards, specs, strict=True)
         )
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        ctx.shards = tuple((shard.device, shard.dtype) for shard in inputs[1:])
+        ctx.shard_dtypes = tuple(shard.dtype for shard in inputs[1:])
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         chaos.point()
         synchronous = torch.is_grad_enabled()  # a synchronous backward reduced already
-        out = [  # an offloaded shard's gradient goes to the host here
-            None if g is None else (g if synchronous else _THROTTLE.wait(g)).to(device, dtype)
-            for g, (device, dtype) in zip(grads, ctx.shards, strict=True)
+        out = [
+            None if g is None else (g if synchronous else _THROTTLE.wait(g)).to(dtype)
+            for g, dtype in zip(grads, ctx.shard_dtypes, strict=True)
         ]
         return None, *out
 

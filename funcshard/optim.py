@@ -425,7 +425,7 @@ def _adam_family(
             groups.setdefault((members[0].device, members[0].dtype, members[1].dtype), []).append(
                 members
             )
-        for members in groups.values():
+        for (device, *_), members in groups.items():
             t, g, m, v = (list(column) for column in zip(*members, strict=True))
             fused(
                 t,
@@ -433,7 +433,8 @@ def _adam_family(
                 m,
                 v,
                 [],
-                [count] * len(t),  # read, not written
+                [count.to(device, non_blocking=True)] * len(t),  # read, not written; a GPU's
+                # kernel takes it on its own device
                 lr=rate,
                 beta1=beta1,
                 beta2=beta2,

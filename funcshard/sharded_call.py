@@ -112,6 +112,7 @@ class _Run:
             and not self.functorch
             and s.requires_grad
             and not spec.user_reduce
+            and s.device == spec.device  # an offloaded shard's gradient goes to the host at once
             for d, s, spec in zip(self.differentiable, state.shards, self.specs, strict=True)
         )
         self.deferred = gather.wait_nodes(state.shards, self.specs, asynchronous)

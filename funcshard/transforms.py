@@ -88,7 +88,7 @@ def shard(
         for name, b in buffers.items()
     }
     if offload:
-        shards = [_to_host(s) for s in shards]
+        shards = [_to_host(s, pin=mesh.device.type == "cuda") for s in shards]
     return ShardedState(
         shards=tuple(shards),
         replicated=replicated,
@@ -100,11 +100,11 @@ def shard(
     )
 
 
-def _to_host(shard: Tensor) -> Tensor:
-    """An offloaded shard: in CPU memory, pinned where a GPU can copy from it
+def _to_host(shard: Tensor, pin: bool) -> Tensor:
+    """An offloaded shard: in CPU memory, pinned (`pin`) for a GPU to copy it in
     asynchronously (each all-gather copies it in on the all-gather stream)."""
     host = shard.detach().to("cpu")
-    return host.pin_memory() if shard.device.type == "cuda" else host
+    return host.pin_memory() if pin else host
 
 
 def unshard(

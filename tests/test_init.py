@@ -99,8 +99,13 @@ def _tiny(name: str) -> tuple[type, object, type]:
 
     if name == "gpt2":
         config = transformers.GPT2Config(
-            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16,
-            bos_token_id=0, eos_token_id=0,
+            vocab_size=64,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=16,
+            bos_token_id=0,
+            eos_token_id=0,
         )
         return transformers.GPT2LMHeadModel, config, gpt2.GPT2Block
     if name == "t5":
@@ -276,8 +281,12 @@ def _peak_while_initializing(rank: int) -> dict:
     from funcshard.testing.memory import LiveTensors
 
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
