@@ -123,6 +123,15 @@ def _peak_bytes(build: Callable[[], Callable[[], None]], device: torch.device) -
     return torch.cuda.max_memory_allocated() - start
 
 
+def _warm_up_cuda(build: Callable[[], Callable[[], None]]) -> None:
+    """One plain step before any peak is counted: what CUDA allocates once per process (the
+    cuBLAS workspace, 32 MiB on an H200) would otherwise count against whichever framework
+    is measured first."""
+    build()()
+    gc.collect()
+    torch.cuda.synchronize()
+
+
 def _synced(step: Callable[[], None]) -> Callable[[], None]:
     """A CUDA step that returns when the GPU is done, so wall time is GPU time."""
 
@@ -142,6 +151,8 @@ def _rank(spec: TrainingSpec, rank: int) -> dict:
     x, y = (t.to(device) for t in random_tokens(spec.cfg, spec.batch, seed=rank))
     every = _builders(spec.cfg, world, device, x, y, model)
     builders = {name: every[name] for name in spec.frameworks}
+    if nccl:
+        _warm_up_cuda(every[PLAIN])
     peaks = {name: _peak_bytes(build, device) for name, build in builders.items()}
     steps = {name: build() for name, build in builders.items()}
     if nccl:

@@ -186,10 +186,14 @@ def _kernel_intervals(trace_path):
 
 
 def _profiled_steps(out_dir, rank):
-    cfg = GPTConfig(vocab_size=1024, block_size=256, n_layer=6, n_head=8, d_model=512, dropout=0.0)
+    # compute-bound: each block's kernels take longer than the CPU takes to issue them, so
+    # the GPU is busy when a collective runs (on a small model it idles, waiting for the CPU)
+    cfg = GPTConfig(
+        vocab_size=1024, block_size=512, n_layer=6, n_head=16, d_model=2048, dropout=0.0
+    )
     torch.manual_seed(0)
     model = GPT(cfg).to(DEVICE)
-    x, y = (t.to(DEVICE) for t in random_tokens(cfg, 8, seed=0))
+    x, y = (t.to(DEVICE) for t in random_tokens(cfg, 16, seed=0))
     plan = fs.plan(model, policy=fs.policy.module_classes({Block}))
     mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     with collectives.communicate_alone():
@@ -244,7 +248,7 @@ def test_collectives_run_on_their_own_streams_overlapping_compute():
 def _peaks(rank):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks.common import fsdp2_step, sharded_step
+    from benchmarks.common import fsdp2_step, plain_step, sharded_step
 
     cfg = GPTConfig(vocab_size=8192, block_size=256, n_layer=8, n_head=8, d_model=512, dropout=0.0)
     x, y = (t.to(DEVICE) for t in random_tokens(cfg, 8, seed=0))
@@ -261,6 +265,7 @@ def _peaks(rank):
         return torch.cuda.max_memory_allocated() - start
 
     model = GPT(cfg)
+    plain_step(copy.deepcopy(model).to(DEVICE), x, y)()  # once-per-process CUDA allocations
     ours = peak(lambda: sharded_step(lambda: GPT(cfg), Block, fs.Mesh(shard=1), x, y))
     theirs = peak(
         lambda: fsdp2_step(copy.deepcopy(model).to(DEVICE), init_device_mesh("cuda", (1,)), x, y)
