@@ -46,10 +46,11 @@ DEVICE = os.environ.get("FUNCSHARD_GPU_TEST_DEVICE", "cuda")
 BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
 
 
-def _on_gpu(fn, *args):
-    """`fn(*args, rank)` on one NCCL rank of the worker pool (its own CUDA context)."""
+def _on_gpu(fn, *args, fresh=False):
+    """`fn(*args, rank)` on one NCCL rank of the worker pool (its own CUDA context); `fresh`:
+    in a new process, whose GPU memory holds nothing of earlier tests."""
     call = functools.partial(fn, *args)
-    return testing.run(call, world_size=1, backend=BACKEND, timeout=240)[0]
+    return testing.run(call, world_size=1, backend=BACKEND, timeout=240, fresh=fresh)[0]
 
 
 def _loss(model, state, x, y):
@@ -338,7 +339,9 @@ def opt_state_devices(opt_state):
 def test_offload_trains_a_model_larger_than_the_gpu_memory_budget():
     """A 403M-parameter model (6.4 GB to train with AdamW) under a 1 GiB budget: it does
     not fit unsharded, and trains with offload=True, the optimizer stepping on the CPU."""
-    fits, losses, peak, shard_device, state_devices = _on_gpu(_offload_under_budget, 1.0)
+    fits, losses, peak, shard_device, state_devices = _on_gpu(
+        _offload_under_budget, 1.0, fresh=True
+    )
     print(
         f"offload: peak GPU memory {peak / 2**20:.0f} MiB under a 1024 MiB budget; losses {losses}"
     )
