@@ -4,7 +4,8 @@
     python -m benchmarks.gpu --device cpu --quick --out DIR    (a check of the code, on gloo)
 
 Runs training.py's comparison, the same builders and interleaved medians, on the 14M GPT of
-the CPU benchmarks (batch 2x64) and on a GPT-2-small-shaped 124M one (batch 8x1024). On CUDA
+the CPU benchmarks (batch 2x64), a GPT-2-small-shaped 124M one and a GPT-2-medium-shaped
+350M one (batch 8x1024). On CUDA
 every timed step ends with torch.cuda.synchronize, so wall time is GPU time, and peak memory
 is torch.cuda.max_memory_allocated above what was allocated before the framework built its
 state. Rewrites the `gpu` section of DIR/RESULTS.md (benchmarks/ by default), naming the GPU.
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tabulate import tabulate
 
 from benchmarks import report, training
 from benchmarks.common import FSDP2, FUNCSHARD, PLAIN, ratio
@@ -37,6 +39,13 @@ MODELS = {
         batch=8,
         rounds=20,
         warmup=5,
+        frameworks=FRAMEWORKS,
+    ),
+    "350M GPT (GPT-2 medium's shape)": training.TrainingSpec(
+        cfg=GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, d_model=1024),
+        batch=8,
+        rounds=10,
+        warmup=3,
         frameworks=FRAMEWORKS,
     ),
 }
@@ -93,12 +102,33 @@ def markdown(results: dict[str, training.TrainingResult], took: float, quick: bo
         t, p = result.times, result.peaks
         parts += [
             f"### {label}: {result.describe()}",
-            training.table(result, "github"),
+            gpu_table(result),
             f"funcshard step time vs plain {ratio(t[FUNCSHARD], t[PLAIN])}, vs FSDP2 "
             f"{ratio(t[FUNCSHARD], t[FSDP2])}; peak memory vs FSDP2 "
             f"{ratio(p[FUNCSHARD], p[FSDP2])}.",
         ]
     return "\n\n".join(parts) + "\n"
+
+
+def gpu_table(result: training.TrainingResult) -> str:
+    """Median step time, its spread (interquartile range), tokens per second and peak
+    memory per framework, with ratios to plain PyTorch and to FSDP2."""
+    t, p = result.times, result.peaks
+    rows = [
+        [
+            name,
+            f"{t[name] * 1e3:.1f}",
+            f"{result.spreads.get(name, 0.0) * 1e3:.2f}",
+            f"{result.tokens_per_second(name):,.0f}",
+            ratio(t[name], t[PLAIN]),
+            ratio(t[name], t[FSDP2]),
+            f"{p[name] / 2**20:,.0f}",
+            ratio(p[name], p[FSDP2]),
+        ]
+        for name in t
+    ]
+    headers = ["step", "median ms", "IQR ms", "tokens/s", "vs plain", "vs FSDP2", "peak MiB"]
+    return tabulate(rows, headers=[*headers, "vs FSDP2"], tablefmt="github")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         spec = replace(spec, rounds=args.rounds or spec.rounds)
         results[label] = result = training.measure(spec, world_size=1, backend=backend)
         print(f"{label}: {result.describe()}")
-        print(training.table(result))
+        print(gpu_table(result))
         print()
     took = time.monotonic() - began
     report.write_section(out / "RESULTS.md", "gpu", markdown(results, took, args.quick))

@@ -18,7 +18,7 @@ import functools
 import gc
 import statistics
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from benchmarks.common import (
     ddp_step,
     fsdp2_step,
     funcshard_step,
-    interleaved_medians,
+    interleaved_samples,
     mib,
     ms,
     plain_step,
@@ -72,6 +72,12 @@ class TrainingResult:
     params: int
     times: Mapping[str, float]  # seconds per step: each rank's median, averaged over ranks
     peaks: Mapping[str, int]  # bytes: the largest rank's peak
+    spreads: Mapping[str, float] = field(default_factory=dict)  # seconds: interquartile
+    # range of each rank's step times, averaged over ranks
+
+    def tokens_per_second(self, name: str) -> float:
+        """Tokens every rank together trains on per second at the median step time."""
+        return self.spec.batch * self.spec.cfg.block_size * self.world_size / self.times[name]
 
     def describe(self) -> str:
         n = self.world_size
@@ -132,6 +138,14 @@ def _warm_up_cuda(build: Callable[[], Callable[[], None]]) -> None:
     torch.cuda.synchronize()
 
 
+def _iqr(samples: list[float]) -> float:
+    """The interquartile range of step times (0 for fewer than two)."""
+    if len(samples) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return q3 - q1
+
+
 def _synced(step: Callable[[], None]) -> Callable[[], None]:
     """A CUDA step that returns when the GPU is done, so wall time is GPU time."""
 
@@ -157,8 +171,10 @@ def _rank(spec: TrainingSpec, rank: int) -> dict:
     steps = {name: build() for name, build in builders.items()}
     if nccl:
         steps = {name: _synced(step) for name, step in steps.items()}
+    samples = interleaved_samples(steps, warmup=spec.warmup, rounds=spec.rounds)
     return {
-        "times": interleaved_medians(steps, warmup=spec.warmup, rounds=spec.rounds),
+        "times": {name: statistics.median(t) for name, t in samples.items()},
+        "spreads": {name: _iqr(t) for name, t in samples.items()},
         "peaks": peaks,
         "params": sum(p.numel() for p in model.parameters()),
         "device": torch.cuda.get_device_name(device) if nccl else "cpu",
@@ -177,6 +193,7 @@ def measure(spec: TrainingSpec, world_size: int, backend: str = "gloo") -> Train
         params=results[0]["params"],
         times={n: statistics.mean(r["times"][n] for r in results) for n in spec.frameworks},
         peaks={n: max(r["peaks"][n] for r in results) for n in spec.frameworks},
+        spreads={n: statistics.mean(r["spreads"][n] for r in results) for n in spec.frameworks},
     )
 
 
