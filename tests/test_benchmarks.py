@@ -43,7 +43,9 @@ def test_python_m_benchmarks_quick_writes_the_tables_ratios_and_plot(tmp_path):
         assert re.search(rf"\| {re.escape(name)} .*\| [\d.]+x +\| [≤≥] [\d.]+x", text), name
         assert name in out.stdout
     for name in ("plain (1 process)", "funcshard", "FSDP2"):  # (a): ms and ratio to plain
-        assert re.search(rf"\| {re.escape(name)} +\| +[\d.]+ +\| [\d.]+x", text), name
+        # median ms, IQR ms, tokens/s, then the ratio to plain
+        row = rf"\| {re.escape(name)} +\| +[\d.]+ +\| +[\d.]+ +\| +[\d,]+ +\| [\d.]+x"
+        assert re.search(row, text), name
     for name in ("funcshard replicate", "DDP"):  # (b): ms, ratios, peak MiB, ratio
         assert re.search(rf"\| {name} +\| +[\d.]+ +\|( [\d.]+x +\|){{2}} +[\d.]+ +\| [\d.]+x", text)
     assert re.search(r"\| +blocks \|", text) and re.search(r"\| +ranks \|", text)  # (c)
@@ -73,7 +75,9 @@ def test_gpu_script_on_cpu_runs_the_same_comparison_and_says_it_is_no_gpu_figure
     assert "<!-- gpu:start -->\n## GPU script run on CPU (gloo): a check" in text
     assert "not GPU figures" in text and "<!-- gpu:end -->" in text
     for name in ("funcshard", "FSDP2", "plain (1 process)"):
-        assert re.search(rf"\| {re.escape(name)} +\| +[\d.]+ +\| [\d.]+x", text), name
+        # median ms, IQR ms, tokens/s, then the ratio to plain
+        row = rf"\| {re.escape(name)} +\| +[\d.]+ +\| +[\d.]+ +\| +[\d,]+ +\| [\d.]+x"
+        assert re.search(row, text), name
         assert name in out.stdout
     assert re.search(r"funcshard step time vs plain [\d.]+x, vs FSDP2 [\d.]+x", text)
 
