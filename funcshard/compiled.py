@@ -30,10 +30,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from funcshard import gather, precision
 from funcshard.comm import Comm
+from funcshard.compiled_schedule import GATHER
 from funcshard.module import call as call_on_dict
 from funcshard.state import ShardedState
 
@@ -42,8 +44,13 @@ def full_params(state: ShardedState, comm: Comm | None = None) -> dict[str, Tens
     """Every parameter of the state, gathered differentiably, by FQN (with the replicated)."""
     specs, sinks = gather.specs_and_sinks(state, comm)
     params: dict[str, Tensor] = dict(state.replicated)
-    for shard, spec, sink in zip(state.shards, specs, sinks, strict=True):
-        params.update(zip(spec.flat.fqns, gather.gather(shard, spec, sink=sink), strict=True))
+    reshard = state.reshard_after_forward is not False
+    for index, (shard, spec, sink) in enumerate(zip(state.shards, specs, sinks, strict=True)):
+        # the root unit (named "") runs around the whole call: kept, as eagerly
+        mark = (index, spec.flat.unit, reshard and spec.flat.unit != "")
+        with torch.fx.traceback.annotate({GATHER: mark}):  # see compiled_schedule
+            full = gather.gather(shard, spec, sink=sink)
+        params.update(zip(spec.flat.fqns, full, strict=True))
     return params
 
 

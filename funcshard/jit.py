@@ -19,6 +19,7 @@ those names the unit whose all-gather it was.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -27,6 +28,7 @@ import torch
 
 from funcshard import collectives
 from funcshard.collectives import CollectiveError
+from funcshard.compiled_schedule import inductor_pass, reshard_backend
 from funcshard.state import ShardedState
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -38,13 +40,19 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
     one graph, and raises `CollectiveError` for a collective that failed inside it."""
     if fn is None:
         return functools.partial(compile, **options)
+    backend = options.get("backend", "inductor")
+    if backend == "aot_eager":
+        from torch._dynamo.backends.debugging import boxed_nop
+
+        options["backend"] = reshard_backend(boxed_nop)
     compiled = torch.compile(fn, **options)
+    scheduling = _inductor_pass() if backend == "inductor" else contextlib.nullcontext()
 
     @functools.wraps(fn)
     def step(*args: Any, **kwargs: Any) -> Any:
         state = next((a for a in (*args, *kwargs.values()) if isinstance(a, ShardedState)), None)
         before = _issued(state)
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with torch._dynamo.config.patch(trace_autograd_ops=True), scheduling:
             try:
                 return compiled(*args, **kwargs)
             except CollectiveError:
@@ -55,6 +63,14 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
                 raise _failed_inside(fn, state, before, error) from error
 
     return step
+
+
+def _inductor_pass() -> contextlib.AbstractContextManager:
+    """Inductor's config patched to run `compiled_schedule.schedule` on every post-grad
+    graph it compiles during a call (after the user's own pre-pass, if one is set)."""
+    from torch._inductor import config
+
+    return config.patch(post_grad_custom_pre_pass=inductor_pass(config.post_grad_custom_pre_pass))
 
 
 def _axes(state: ShardedState | None) -> dict[str, Any]:
