@@ -57,7 +57,7 @@ def _train(mesh_kwargs: dict, optimizer: str, rank: int) -> dict:
         state, opt_state = opt.step(grads, opt_state, state)
         return loss, state, opt_state
 
-    compiled_step = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled_step = fs.compile(step, backend="aot_eager", fullgraph=True)  # resharding
     eager, compiled = (_clone(state), opt.init(state)), (_clone(state), opt.init(state))
     losses = []
     for i in range(4):
