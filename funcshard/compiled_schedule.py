@@ -88,18 +88,31 @@ def schedule(graph: fx.Graph) -> None:
 
 
 def _buffers(graph: fx.Graph) -> list[_Buffer]:
-    """The tagged buffers; a tagged node before the first backward node belongs to the
-    gather, after it to the reduce (the gather's backward carries the tag, not the mark)."""
-    nodes = list(graph.nodes)
-    first_backward = next((i for i, n in enumerate(nodes) if is_backward(n)), len(nodes))
-    found: dict[int, _Buffer] = {}
-    for i, node in enumerate(nodes):
-        mark = tag(node)
-        if mark is None:
-            continue
-        index, unit, reshard = mark
-        buffer = found.setdefault(index, _Buffer(index, unit, reshard))
-        (buffer.chain if i < first_backward else buffer.reduce).append(node)
+    """Every gather and every reduce in the graph, each a connected run of tagged nodes: a
+    tagged node that reads a gradient (a backward node, or a node of a reduce) belongs to a
+    reduce, any other to a gather (the gather's backward carries the tag, not the mark).
+    A buffer gathered by two calls (two `value_and_grad`s in one step) has two chains."""
+    reduce: dict[fx.Node, bool] = {}
+    for node in graph.nodes:
+        if tag(node) is not None:
+            reduce[node] = any(is_backward(a) or reduce.get(a, False) for a in node.all_input_nodes)
+    parent = {node: node for node in reduce}
+
+    def root(node: fx.Node) -> fx.Node:
+        while parent[node] is not node:
+            parent[node] = node = parent[parent[node]]
+        return node
+
+    for node, reducing in reduce.items():  # union-find over edges between tagged nodes
+        for a in node.all_input_nodes:
+            if a in reduce and reduce[a] == reducing:
+                parent[root(a)] = root(node)
+    found: dict[fx.Node, _Buffer] = {}
+    for node, reducing in reduce.items():  # graph order within each run
+        run = found.get(root(node))
+        if run is None:
+            run = found[root(node)] = _Buffer(*tag(node))
+        (run.reduce if reducing else run.chain).append(node)
     return list(found.values())
 
 
@@ -137,6 +150,15 @@ def _readers(nodes: Iterable[fx.Node], members: set[fx.Node]) -> list[fx.Node]:
 
 
 def _move_before(anchor: fx.Node, nodes: list[fx.Node]) -> None:
+    """Move `nodes` (in order) to just before `anchor`, unless one of them reads a node
+    outside them that comes after `anchor` (a shard first made later, by a second call):
+    then leave them where they are."""
+    moving = set(nodes)
+    outside = [a for n in nodes for a in n.all_input_nodes if a not in moving]
+    if outside:
+        positions = _positions(anchor.graph)
+        if max(positions[a] for a in outside) >= positions[anchor]:
+            return
     for node in nodes:
         anchor.prepend(node)
 

@@ -243,7 +243,7 @@ def _other_transforms(what: str, rank: int) -> tuple:
         "accumulate and reduce": (accumulated, (state, x, y)),
         "unshard and eval": (unsharded_and_evaluated, (state, x)),
     }[what]
-    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(*_clone(args))
+    compiled = fs.compile(fn, backend="aot_eager", fullgraph=True)(*_clone(args))
     return compiled, fn(*_clone(args)), _graph_breaks()
 
 
@@ -283,7 +283,7 @@ def _edge_case(case: str, rank: int) -> tuple:
     if case == "copied state":
         copied = copy.deepcopy(state)
         step = fs.value_and_grad(loss_fn)
-        return torch.compile(step, backend="aot_eager", fullgraph=True)(copied, x, y), step(
+        return fs.compile(step, backend="aot_eager", fullgraph=True)(copied, x, y), step(
             state, x, y
         )
     f, options = {
@@ -292,7 +292,7 @@ def _edge_case(case: str, rank: int) -> tuple:
         "unshard inside, reduce=False": (unsharding_inside, {"reduce": False}),
     }[case]
     step = fs.value_and_grad(f, **options)
-    return torch.compile(step, backend="aot_eager", fullgraph=True)(state, x, y), step(state, x, y)
+    return fs.compile(step, backend="aot_eager", fullgraph=True)(state, x, y), step(state, x, y)
 
 
 @pytest.mark.parametrize(
