@@ -139,3 +139,64 @@ def test_each_forward_all_gather_is_issued_before_the_compute_of_the_buffer_befo
 @pytest.mark.parametrize("reshard", [True, False])
 def test_compiled_loss_and_gradients_equal_eager(reshard):
     assert _runs()[reshard]["difference"] <= 1e-5
+
+
+@isolated()
+def _mixed_precision_and_frozen(rank: int) -> dict:
+    """bf16 parameters, fp32 reduce, block 1 frozen: the compiled resharded step against
+    eager, and the scheduled graph."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=3, n_head=2, d_model=32, dropout=0.0)
+    model = GPT(cfg)
+    for p in model.blocks[1].parameters():
+        p.requires_grad_(False)
+    mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block}))
+    state = fs.shard(model, plan, fs.Mesh(shard=2), mp=mp)
+    x, y = random_tokens(cfg, 2, seed=rank)
+    step = fs.value_and_grad(functools.partial(_loss, model))
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(_describe(gm.graph))
+        return gm.forward
+
+    got = torch.compile(step, backend=reshard_backend(capture), fullgraph=True)(state, x, y)
+    eager = step(state, x, y)
+    close = all(
+        (a is None and b is None) or torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
+        for a, b in zip(*(torch.utils._pytree.tree_leaves(t) for t in (got, eager)), strict=True)
+    )
+    return {"close": close, "graph": graphs[0]}
+
+
+def test_mixed_precision_and_a_frozen_unit_reshard_too():
+    result = testing.run(_mixed_precision_and_frozen, world_size=2, timeout=300)[0]
+    assert result["close"]
+    units = {entry["unit"]: entry for entry in result["graph"].values()}
+    assert [r for _, r in units["blocks.1"]["ag"]] == [False, True]  # regathered, frozen
+    assert units["blocks.1"]["rs"] == 0 and units["blocks.0"]["rs"] == 1
+
+
+@isolated()
+def _blocks_compiled_one_by_one(rank: int) -> bool:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
+    model = GPT(cfg)
+    state = fs.shard(
+        model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
+    )
+    x, y = random_tokens(cfg, 2, seed=rank)
+    step = fs.value_and_grad(functools.partial(_loss, model))
+    eager = step(state, x, y)
+    for block in model.blocks:
+        block.compile(backend="aot_eager")  # as FSDP2 users compile each block
+    got = step(state, x, y)
+    return all(
+        torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(*(torch.utils._pytree.tree_leaves(t) for t in (got, eager)), strict=True)
+    )
+
+
+def test_blocks_compiled_one_by_one_inside_an_eager_sharded_step_give_eager_gradients():
+    assert all(testing.run(_blocks_compiled_one_by_one, world_size=2, timeout=300))
