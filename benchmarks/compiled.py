@@ -5,8 +5,10 @@
 Each rank builds the same GPT, shards it (FSDP, blocks as units) and times, in rotation,
 `fs.value_and_grad` run eagerly, the same step traced (`fs.trace`) and split into buckets
 (`fs.split`, not compiled), the split step with each piece compiled by `--backend`, and the
-whole step under `torch.compile(backend=...)` (one graph; see funcshard/compiled.py).
-Before timing, each variant's loss and grads are checked against eager (1e-5).
+whole step under `fs.compile(backend=...)` (one graph, resharded as eagerly: see
+funcshard/compiled_schedule.py), eager and compiled also with `reshard_after_forward=False`
+("units kept"). Peak live tensor memory is metered for the eager and the whole-step
+variants. Before timing, each variant's loss and grads are checked against eager (1e-5).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import functools
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from tabulate import tabulate
@@ -22,6 +25,8 @@ from tabulate import tabulate
 import funcshard as fs
 from benchmarks.common import interleaved_medians, lm_loss
 from funcshard import testing
+from funcshard.compiled_schedule import reshard_backend
+from funcshard.testing.memory import LiveTensors
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
 
@@ -30,15 +35,50 @@ def _close(a: object, b: object) -> bool:
     return all(torch.allclose(x, y, rtol=1e-5, atol=1e-5) for x, y in zip(left, right, strict=True))
 
 
+def _peak_eager(step: Callable, state: fs.ShardedState, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Peak live tensor bytes of one eager gradient step."""
+    with LiveTensors() as meter:
+        step(state, x, y)
+    return meter.peak
+
+
+def _peak_compiled(step: Callable, state: fs.ShardedState, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Peak live tensor bytes of the compiled step's graph, metered op by op from inside (a
+    dispatch mode around a compiled call makes dynamo skip the frame): aot_eager with
+    funcshard's scheduling, so inductor's buffer reuse is not counted."""
+    peaks = []
+
+    def metered(gm: torch.fx.GraphModule, example_inputs: object) -> Callable:
+        def run(*args: object) -> object:
+            with LiveTensors() as meter:
+                out = gm.forward(*args)
+            peaks.append(meter.peak)
+            return out
+
+        return run
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        torch.compile(step, backend=reshard_backend(metered), fullgraph=True)(state, x, y)
+    torch._dynamo.reset()
+    return max(peaks)
+
+
 def _rank(layers: int, backend: str, rounds: int, rank: int) -> dict:
     cfg = GPTConfig(vocab_size=8192, block_size=64, n_layer=layers, n_head=6, d_model=384)
     torch.manual_seed(0)
     model = GPT(cfg)
-    state = fs.shard(
-        model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
-    )
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block}))
+    state = fs.shard(model, plan, fs.Mesh(shard=2))
+    kept = fs.shard(model, plan, fs.Mesh(shard=2), reshard_after_forward=False)
     x, y = random_tokens(cfg, 2, seed=rank)
     step = fs.value_and_grad(lambda s, x, y: lm_loss(fs.call(model, s, x), y))
+    peaks = {
+        "eager": _peak_eager(step, state, x, y),
+        "eager, units kept": _peak_eager(step, kept, x, y),
+        f"fs.compile(step) ({backend})": _peak_compiled(step, state, x, y),
+        f"fs.compile(step), units kept ({backend})": _peak_compiled(step, kept, x, y),
+    }
     started = time.perf_counter()
     graph = fs.trace(step, state, x, y)
     traced_s = time.perf_counter() - started
@@ -51,23 +91,27 @@ def _rank(layers: int, backend: str, rounds: int, rank: int) -> dict:
         "compiled": _close(compiled(state, x, y), eager),
     }
     compile_s = time.perf_counter() - started
-    torch._dynamo.config.trace_autograd_ops = True  # as fs.compile sets (the whole step, one graph)
-    whole = torch.compile(step, backend=backend, fullgraph=True)
+    whole = fs.compile(step, backend=backend, fullgraph=True)  # resharding: compiled_schedule
+    whole_kept = fs.compile(step, backend=backend, fullgraph=True)
     started = time.perf_counter()
-    checks["torch.compile"] = _close(whole(state, x, y), eager)
+    checks["fs.compile"] = _close(whole(state, x, y), eager)
     whole_compile_s = time.perf_counter() - started
+    checks["fs.compile, units kept"] = _close(whole_kept(kept, x, y), step(kept, x, y))
     times = interleaved_medians(
         {
             "eager": lambda: step(state, x, y),
+            "eager, units kept": lambda: step(kept, x, y),
             "traced and split": lambda: pieces(state, x, y),
             f"split, compiled ({backend})": lambda: compiled(state, x, y),
-            f"torch.compile(step) ({backend})": lambda: whole(state, x, y),
+            f"fs.compile(step) ({backend})": lambda: whole(state, x, y),
+            f"fs.compile(step), units kept ({backend})": lambda: whole_kept(kept, x, y),
         },
         warmup=2,
         rounds=rounds,
     )
     return {
         "times": times,
+        "peaks": peaks,
         "checks": checks,
         "buckets": len(pieces.buckets),
         "trace_s": traced_s,
@@ -88,7 +132,17 @@ def main() -> None:
     names = list(results[0]["times"])
     time_of = {n: statistics.mean(r["times"][n] for r in results) for n in names}
     eager = time_of["eager"]
-    rows = [[n, f"{time_of[n] * 1e3:.1f}", f"{time_of[n] / eager:.2f}x"] for n in names]
+    peak_of = {n: max(r["peaks"][n] for r in results) for n in results[0]["peaks"]}
+    rows = [
+        [
+            n,
+            f"{time_of[n] * 1e3:.1f}",
+            f"{time_of[n] / eager:.2f}x",
+            f"{peak_of[n] / 1e6:.1f}" if n in peak_of else "",
+            f"{peak_of[n] / peak_of['eager']:.2f}x" if n in peak_of else "",
+        ]
+        for n in names
+    ]
     r0 = results[0]
     print(
         f"GPT {args.layers} blocks (d 384, vocab 8192), 2 gloo ranks, batch 2x64 per rank, "
@@ -96,7 +150,11 @@ def main() -> None:
         f"buckets; trace {r0['trace_s']:.1f} s, compile {r0['compile_s']:.1f} s (pieces), "
         f"{r0['whole_compile_s']:.1f} s (torch.compile)"
     )
-    print(tabulate(rows, headers=["step", "ms", "vs eager"]))
+    print(tabulate(rows, headers=["step", "ms", "vs eager", "peak MB", "vs eager"]))
+    print(
+        "peak MB: live tensors of one gradient step; the compiled steps metered inside their "
+        "graph as aot_eager runs it (inductor's buffer reuse is not counted)"
+    )
     passed = all(all(r["checks"].values()) for r in results)
     print(f"loss and grads equal eager's (1e-5) on every rank: {'yes' if passed else 'NO'}")
 
