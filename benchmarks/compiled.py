@@ -14,6 +14,7 @@ variants. Before timing, each variant's loss and grads are checked against eager
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import statistics
 import time
@@ -64,6 +65,48 @@ def _peak_compiled(step: Callable, state: fs.ShardedState, x: torch.Tensor, y: t
     return max(peaks)
 
 
+def _simple_fsdp(
+    model: GPT, backend: str, x: torch.Tensor, y: torch.Tensor
+) -> tuple[Callable[[], object], int] | str:
+    """torchtitan's SimpleFSDP (`data_parallel(mode="fully_shard")`, every parameter a
+    DTensor gathered by a parametrization) under torch.compile: its gradient step and its
+    peak, metered inside its forward and backward graphs (the backward's inputs, the saved
+    activations, counted as live); or why it cannot run."""
+    try:
+        from torchtitan.experiments.graph_trainer.simple_fsdp import data_parallel
+    except ImportError as error:
+        return f"torchtitan's SimpleFSDP does not import here: {error}"
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sharded = data_parallel(copy.deepcopy(model), init_device_mesh("cpu", (2,)), "fully_shard")
+    peaks = []
+
+    def metered(gm: torch.fx.GraphModule, example_inputs: object) -> Callable:
+        def run(*args: object) -> object:
+            with LiveTensors() as meter:
+                meter.adopt([a for a in args if isinstance(a, torch.Tensor)])
+                out = gm.forward(*args)
+            peaks.append(meter.peak)
+            return out
+
+        return run
+
+    measured = torch.compile(
+        sharded, backend=aot_autograd(fw_compiler=metered, bw_compiler=metered)
+    )
+    lm_loss(measured(x), y).backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(sharded), backend=backend)
+
+    def step() -> object:
+        loss = lm_loss(compiled(x), y)
+        loss.backward()
+        return loss
+
+    return step, max(peaks)
+
+
 def _rank(layers: int, backend: str, rounds: int, rank: int) -> dict:
     cfg = GPTConfig(vocab_size=8192, block_size=64, n_layer=layers, n_head=6, d_model=384)
     torch.manual_seed(0)
@@ -79,6 +122,9 @@ def _rank(layers: int, backend: str, rounds: int, rank: int) -> dict:
         f"fs.compile(step) ({backend})": _peak_compiled(step, state, x, y),
         f"fs.compile(step), units kept ({backend})": _peak_compiled(step, kept, x, y),
     }
+    simple = _simple_fsdp(model, backend, x, y)
+    if not isinstance(simple, str):
+        peaks[f"SimpleFSDP, torch.compile ({backend})"] = simple[1]
     started = time.perf_counter()
     graph = fs.trace(step, state, x, y)
     traced_s = time.perf_counter() - started
@@ -97,8 +143,12 @@ def _rank(layers: int, backend: str, rounds: int, rank: int) -> dict:
     checks["fs.compile"] = _close(whole(state, x, y), eager)
     whole_compile_s = time.perf_counter() - started
     checks["fs.compile, units kept"] = _close(whole_kept(kept, x, y), step(kept, x, y))
+    simple_step = (
+        {} if isinstance(simple, str) else {f"SimpleFSDP, torch.compile ({backend})": simple[0]}
+    )
     times = interleaved_medians(
         {
+            **simple_step,
             "eager": lambda: step(state, x, y),
             "eager, units kept": lambda: step(kept, x, y),
             "traced and split": lambda: pieces(state, x, y),
@@ -112,6 +162,7 @@ def _rank(layers: int, backend: str, rounds: int, rank: int) -> dict:
     return {
         "times": times,
         "peaks": peaks,
+        "simple_fsdp": simple if isinstance(simple, str) else None,
         "checks": checks,
         "buckets": len(pieces.buckets),
         "trace_s": traced_s,
@@ -155,6 +206,8 @@ def main() -> None:
         "peak MB: live tensors of one gradient step; the compiled steps metered inside their "
         "graph as aot_eager runs it (inductor's buffer reuse is not counted)"
     )
+    if r0["simple_fsdp"]:
+        print(f"SimpleFSDP not run: {r0['simple_fsdp']}")
     passed = all(all(r["checks"].values()) for r in results)
     print(f"loss and grads equal eager's (1e-5) on every rank: {'yes' if passed else 'NO'}")
 
