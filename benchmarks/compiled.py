@@ -70,8 +70,8 @@ def _simple_fsdp(
 ) -> tuple[Callable[[], object], int] | str:
     """torchtitan's SimpleFSDP (`data_parallel(mode="fully_shard")`, every parameter a
     DTensor gathered by a parametrization) under torch.compile: its gradient step and its
-    peak, metered inside its forward and backward graphs (the backward's inputs, the saved
-    activations, counted as live); or why it cannot run."""
+    peak, metered inside its forward graph and its backward graph (whose inputs, what
+    forward saved, count as live there); or why it cannot run."""
     try:
         from torchtitan.experiments.graph_trainer.simple_fsdp import data_parallel
     except ImportError as error:
@@ -82,19 +82,22 @@ def _simple_fsdp(
     sharded = data_parallel(copy.deepcopy(model), init_device_mesh("cpu", (2,)), "fully_shard")
     peaks = []
 
-    def metered(gm: torch.fx.GraphModule, example_inputs: object) -> Callable:
-        def run(*args: object) -> object:
-            with LiveTensors() as meter:
-                meter.adopt([a for a in args if isinstance(a, torch.Tensor)])
-                out = gm.forward(*args)
-            peaks.append(meter.peak)
-            return out
+    def metered(adopt: bool) -> Callable:
+        def compiler(gm: torch.fx.GraphModule, example_inputs: object) -> Callable:
+            def run(*args: object) -> object:
+                with LiveTensors() as meter:
+                    if adopt:  # the backward's inputs: what forward saved for it
+                        meter.adopt([a for a in args if isinstance(a, torch.Tensor)])
+                    out = gm.forward(*args)
+                peaks.append(meter.peak)
+                return out
 
-        return run
+            return run
 
-    measured = torch.compile(
-        sharded, backend=aot_autograd(fw_compiler=metered, bw_compiler=metered)
-    )
+        return compiler
+
+    meter = aot_autograd(fw_compiler=metered(False), bw_compiler=metered(True))
+    measured = torch.compile(sharded, backend=meter)
     lm_loss(measured(x), y).backward()
     torch._dynamo.reset()
     compiled = torch.compile(copy.deepcopy(sharded), backend=backend)
