@@ -112,9 +112,12 @@ def test_write_section_refuses_a_file_with_one_marker(tmp_path):
         report.write_section(path, "gpu", "x")
 
 
-def test_compiled_benchmark_checks_against_eager_then_times_the_four_steps():
+def test_compiled_benchmark_checks_against_eager_then_times_and_meters_the_steps():
     out = _run("-m", "benchmarks.compiled", "--layers", "1", "--rounds", "1").stdout
     assert "loss and grads equal eager's (1e-5) on every rank: yes" in out
-    steps = ("eager", "traced and split", "split, compiled (aot_eager)")
-    for step in (*steps, "torch.compile(step) (aot_eager)"):
+    for step in ("traced and split", "split, compiled (aot_eager)"):  # timed only
         assert re.search(rf"^{re.escape(step)}\s+[\d.]+\s+[\d.]+x$", out, flags=re.M), out
+    metered = ("eager", "eager, units kept", "fs.compile(step) (aot_eager)")
+    for step in (*metered, "fs.compile(step), units kept (aot_eager)"):  # timed and metered
+        row = rf"^{re.escape(step)}\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+x$"
+        assert re.search(row, out, flags=re.M), out

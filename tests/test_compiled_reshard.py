@@ -200,3 +200,42 @@ def _blocks_compiled_one_by_one(rank: int) -> bool:
 
 def test_blocks_compiled_one_by_one_inside_an_eager_sharded_step_give_eager_gradients():
     assert all(testing.run(_blocks_compiled_one_by_one, world_size=2, timeout=300))
+
+
+@isolated()
+def _inductor(rank: int) -> dict:
+    """fs.compile with inductor (its default backend): the schedule runs on inductor's
+    post-grad graph, where funcshard's tags and the backward marks survive."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
+    model = GPT(cfg)
+    state = fs.shard(
+        model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
+    )
+    x, y = random_tokens(cfg, 2, seed=rank)
+    step = fs.value_and_grad(functools.partial(_loss, model))
+    regathered = []
+    schedule = compiled_schedule.schedule
+
+    def spy(graph):
+        schedule(graph)
+        regathered.append(sum(1 for n in graph.nodes if n.target is AG and n.meta.get(REGATHERED)))
+
+    compiled_schedule.schedule = spy
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            got = fs.compile(step, fullgraph=True)(state, x, y)
+    finally:
+        compiled_schedule.schedule = schedule
+    eager = step(state, x, y)
+    close = all(  # inductor's fused kernels sum in other orders
+        torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+        for a, b in zip(*(torch.utils._pytree.tree_leaves(t) for t in (got, eager)), strict=True)
+    )
+    return {"regathered": regathered, "close": close}
+
+
+def test_fs_compile_with_inductor_regathers_the_blocks_in_backward():
+    result = testing.run(_inductor, world_size=2, timeout=300)[0]
+    assert result["regathered"] == [2]  # one graph; both blocks regathered, not the root
+    assert result["close"]
