@@ -17,12 +17,14 @@ with `torch._dynamo.config.trace_autograd_ops = True` (off by default in torch);
 dynamo breaks the graph there once per step, and everything still works. Eager runs never
 take this path: `torch.compiler.is_dynamo_compiling()` is a constant False outside dynamo.
 
-The price: each unit is gathered once and its buffers live until their last use in
-backward, so a compiled step holds the whole model gathered at its peak
-(`reshard_after_forward` and `offload` do not apply), where the eager step holds a few
-units. Recomputing the gathers in backward (SimpleFSDP's activation-checkpoint tags) is
-not done: torch's rematerialization of tagged nodes in a traced forward-loss-backward
-graph did not take here, since backward reads the parameters through untagged views.
+Left as traced, each unit would be gathered once, at the start, and its buffers would live
+until their last use in backward: the compiled step's peak would hold the whole model
+gathered. So each gather runs under `torch.fx.traceback.annotate` (a tag every node traced
+inside it carries, its backward's too), and funcshard.compiled_schedule's pass, which
+`funcshard.compile` runs on the step's graph, moves each gather to its first use, regathers
+resharding units in backward and reduces each gradient as soon as it is complete (see
+[Note: resharding a compiled step]). An int `reshard_after_forward` k regathers from the
+whole shard axis there, not from groups of k; `offload` does not apply.
 """
 
 from __future__ import annotations

@@ -85,6 +85,27 @@ def schedule(graph: fx.Graph) -> None:
     _regather_in_backward(graph, buffers)
     _place_reduces(graph, buffers)
     graph.lint()
+    _record_order(graph, buffers)
+
+
+# The order in which the last scheduled graph over each set of buffers issues its
+# shard-axis collectives: ("all-gather" | "reduce-scatter", buffer index) by graph order,
+# keyed by the (index, unit) pairs of its buffers. `funcshard.compile` names the collective
+# that failed inside a compiled step from it.
+ISSUE_ORDERS: dict[tuple, list[tuple[str, int]]] = {}
+_KINDS = {
+    torch.ops._c10d_functional.all_gather_into_tensor.default: "all-gather",
+    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce-scatter",
+}
+
+
+def _record_order(graph: fx.Graph, buffers: list[_Buffer]) -> None:
+    key = tuple(sorted({(b.index, b.unit) for b in buffers}))
+    ISSUE_ORDERS[key] = [
+        (_KINDS[n.target], tag(n)[0])
+        for n in graph.nodes
+        if n.target in _KINDS and tag(n) is not None
+    ]
 
 
 def _buffers(graph: fx.Graph) -> list[_Buffer]:

@@ -13,8 +13,11 @@ an error into `CollectiveError` naming the compiled function, the ranks of the m
 state it was given, the cause, and which collective it was: the graph runs without Python
 between its nodes, but the backend numbers every collective on a group (its sequence
 number), so the difference across the call says it was the call's k-th on that mesh axis;
-and since a traced `fs.call` gathers every flat buffer first, in layout order, a k within
-those names the unit whose all-gather it was.
+and the order in which the scheduled graph issues its collectives (recorded by
+funcshard/compiled_schedule.py) names the unit whose all-gather or reduce-scatter it was.
+
+`compile` also reshards: with inductor (the default) or aot_eager it runs
+`compiled_schedule.schedule` on the step's graph (see [Note: resharding a compiled step]).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from funcshard import collectives
+from funcshard import collectives, compiled_schedule
 from funcshard.collectives import CollectiveError
 from funcshard.compiled_schedule import inductor_pass, reshard_backend
 from funcshard.state import ShardedState
@@ -63,6 +66,13 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
                 raise _failed_inside(fn, state, before, error) from error
 
     return step
+
+
+def _issue_order(state: ShardedState) -> list[tuple[str, int]]:
+    """The shard-axis collectives of the last compiled graph over this state's buffers, in
+    the order the graph issues them (see compiled_schedule.ISSUE_ORDERS); empty if none."""
+    key = tuple(sorted((i, flat.unit) for i, flat in enumerate(state.layout.flats)))
+    return compiled_schedule.ISSUE_ORDERS.get(key, [])
 
 
 def _inductor_pass() -> contextlib.AbstractContextManager:
@@ -116,8 +126,8 @@ def _failed_inside(
 
 def _which(state: ShardedState, before: dict[str, int | None], after: dict[str, int | None]) -> str:
     """Which collective of the call was the last issued on each mesh axis, counted by the
-    backend's sequence numbers: the call's k-th there. A traced `fs.call` gathers every flat
-    buffer first, in layout order, so the first ones on the shard axis name their units."""
+    backend's sequence numbers: the call's k-th there, named from the order in which the
+    scheduled graph issues its collectives (see funcshard/compiled_schedule.py)."""
     lines = []
     flats = state.layout.flats
     for axis, group in _axes(state).items():
@@ -125,10 +135,11 @@ def _which(state: ShardedState, before: dict[str, int | None], after: dict[str, 
         if start is None or end is None or end == start:
             continue
         k = end - start
+        order = _issue_order(state) if axis == "shard" else []
         unit = (
-            f": the all-gather of unit {flats[k - 1].name!r} if the step's first "
-            f"collectives are its first fs.call's gathers"
-            if k <= len(flats) and axis == "shard"
+            f": the {order[k - 1][0]} of unit {flats[order[k - 1][1]].name!r} if the step's "
+            f"first collectives are its first fs.call's"
+            if k <= len(order)
             else ""
         )
         lines.append(
