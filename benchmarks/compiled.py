@@ -27,7 +27,7 @@ import funcshard as fs
 from benchmarks.common import interleaved_medians, lm_loss
 from funcshard import testing
 from funcshard.compiled_schedule import reshard_backend
-from funcshard.testing.memory import LiveTensors
+from funcshard.testing.memory import LiveTensors, metering_compiler
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
 
@@ -47,20 +47,12 @@ def _peak_compiled(step: Callable, state: fs.ShardedState, x: torch.Tensor, y: t
     """Peak live tensor bytes of the compiled step's graph, metered op by op from inside (a
     dispatch mode around a compiled call makes dynamo skip the frame): aot_eager with
     funcshard's scheduling, so inductor's buffer reuse is not counted."""
-    peaks = []
-
-    def metered(gm: torch.fx.GraphModule, example_inputs: object) -> Callable:
-        def run(*args: object) -> object:
-            with LiveTensors() as meter:
-                out = gm.forward(*args)
-            peaks.append(meter.peak)
-            return out
-
-        return run
-
+    peaks: list[int] = []
     torch._dynamo.reset()
     with torch._dynamo.config.patch(trace_autograd_ops=True):
-        torch.compile(step, backend=reshard_backend(metered), fullgraph=True)(state, x, y)
+        torch.compile(step, backend=reshard_backend(metering_compiler(peaks)), fullgraph=True)(
+            state, x, y
+        )
     torch._dynamo.reset()
     return max(peaks)
 
@@ -80,23 +72,12 @@ def _simple_fsdp(
     from torch.distributed.device_mesh import init_device_mesh
 
     sharded = data_parallel(copy.deepcopy(model), init_device_mesh("cpu", (2,)), "fully_shard")
-    peaks = []
-
-    def metered(adopt: bool) -> Callable:
-        def compiler(gm: torch.fx.GraphModule, example_inputs: object) -> Callable:
-            def run(*args: object) -> object:
-                with LiveTensors() as meter:
-                    if adopt:  # the backward's inputs: what forward saved for it
-                        meter.adopt([a for a in args if isinstance(a, torch.Tensor)])
-                    out = gm.forward(*args)
-                peaks.append(meter.peak)
-                return out
-
-            return run
-
-        return compiler
-
-    meter = aot_autograd(fw_compiler=metered(False), bw_compiler=metered(True))
+    peaks: list[int] = []
+    compilers = {
+        "fw_compiler": metering_compiler(peaks),
+        "bw_compiler": metering_compiler(peaks, True),
+    }
+    meter = aot_autograd(**compilers)
     measured = torch.compile(sharded, backend=meter)
     lm_loss(measured(x), y).backward()
     torch._dynamo.reset()

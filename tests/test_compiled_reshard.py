@@ -18,7 +18,7 @@ import funcshard as fs
 from funcshard import compiled_schedule, testing
 from funcshard.compiled_schedule import REGATHERED, is_backward, reshard_backend, tag
 from funcshard.testing.dynamo import isolated
-from funcshard.testing.memory import LiveTensors
+from funcshard.testing.memory import LiveTensors, metering_compiler
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, d_model=128, dropout=0.0)
@@ -28,6 +28,15 @@ RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
 
 def _loss(model, state, x, y):
     return F.cross_entropy(fs.call(model, state, x).flatten(0, 1), y.flatten())
+
+
+def _close(a, b, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+    """Whether two trees of tensors agree leaf by leaf (None leaves on both sides)."""
+    leaves = (torch.utils._pytree.tree_leaves(t) for t in (a, b))
+    return all(
+        (x is None and y is None) or torch.allclose(x.float(), y.float(), rtol=rtol, atol=atol)
+        for x, y in zip(*leaves, strict=True)
+    )
 
 
 def _describe(graph: torch.fx.Graph) -> dict:
@@ -68,17 +77,11 @@ def _compiled_runs(rank: int) -> dict:
         with LiveTensors() as meter:
             eager = step(state, x, y)
         graphs, peaks = [], []
+        metering = metering_compiler(peaks)
 
-        def metered(gm, example_inputs, graphs=graphs, peaks=peaks):
+        def metered(gm, example_inputs, graphs=graphs, metering=metering):
             graphs.append(_describe(gm.graph))
-
-            def run(*args):
-                with LiveTensors() as inside:
-                    out = gm.forward(*args)
-                peaks.append(inside.peak)
-                return out
-
-            return run
+            return metering(gm, example_inputs)
 
         torch._dynamo.reset()
         compiled = torch.compile(step, backend=reshard_backend(metered), fullgraph=True)
@@ -163,10 +166,7 @@ def _mixed_precision_and_frozen(rank: int) -> dict:
 
     got = torch.compile(step, backend=reshard_backend(capture), fullgraph=True)(state, x, y)
     eager = step(state, x, y)
-    close = all(
-        (a is None and b is None) or torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
-        for a, b in zip(*(torch.utils._pytree.tree_leaves(t) for t in (got, eager)), strict=True)
-    )
+    close = _close(got, eager)
     return {"close": close, "graph": graphs[0]}
 
 
@@ -178,8 +178,8 @@ def test_mixed_precision_and_a_frozen_unit_reshard_too():
     assert units["blocks.1"]["rs"] == 0 and units["blocks.0"]["rs"] == 1
 
 
-@isolated()
-def _blocks_compiled_one_by_one(rank: int) -> bool:
+def _tiny_gpt_step(rank: int) -> tuple:
+    """A 2-block GPT sharded on 2 ranks, this rank's batch and its gradient step."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
     model = GPT(cfg)
@@ -187,15 +187,17 @@ def _blocks_compiled_one_by_one(rank: int) -> bool:
         model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
     )
     x, y = random_tokens(cfg, 2, seed=rank)
-    step = fs.value_and_grad(functools.partial(_loss, model))
+    return model, state, x, y, fs.value_and_grad(functools.partial(_loss, model))
+
+
+@isolated()
+def _blocks_compiled_one_by_one(rank: int) -> bool:
+    model, state, x, y, step = _tiny_gpt_step(rank)
     eager = step(state, x, y)
     for block in model.blocks:
         block.compile(backend="aot_eager")  # as FSDP2 users compile each block
     got = step(state, x, y)
-    return all(
-        torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-        for a, b in zip(*(torch.utils._pytree.tree_leaves(t) for t in (got, eager)), strict=True)
-    )
+    return _close(got, eager)
 
 
 def test_blocks_compiled_one_by_one_inside_an_eager_sharded_step_give_eager_gradients():
@@ -206,14 +208,7 @@ def test_blocks_compiled_one_by_one_inside_an_eager_sharded_step_give_eager_grad
 def _inductor(rank: int) -> dict:
     """fs.compile with inductor (its default backend): the schedule runs on inductor's
     post-grad graph, where funcshard's tags and the backward marks survive."""
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
-    model = GPT(cfg)
-    state = fs.shard(
-        model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
-    )
-    x, y = random_tokens(cfg, 2, seed=rank)
-    step = fs.value_and_grad(functools.partial(_loss, model))
+    _, state, x, y, step = _tiny_gpt_step(rank)
     regathered = []
     schedule = compiled_schedule.schedule
 
@@ -228,10 +223,7 @@ def _inductor(rank: int) -> dict:
     finally:
         compiled_schedule.schedule = schedule
     eager = step(state, x, y)
-    close = all(  # inductor's fused kernels sum in other orders
-        torch.allclose(a, b, rtol=1e-4, atol=1e-5)
-        for a, b in zip(*(torch.utils._pytree.tree_leaves(t) for t in (got, eager)), strict=True)
-    )
+    close = _close(got, eager, rtol=1e-4, atol=1e-5)  # inductor's kernels sum in other orders
     return {"regathered": regathered, "close": close}
 
 

@@ -128,3 +128,23 @@ def is_all_gather(func: Any) -> bool:
     (A gloo exchange dispatches no all-gather op: see `collectives.observe_gathers`.)"""
     name = str(func)
     return "all_gather_into_tensor" in name or "_allgather_base" in name
+
+
+def metering_compiler(peaks: list[int], adopt_inputs: bool = False) -> Callable[..., Any]:
+    """An aot_autograd graph compiler that runs each graph under `LiveTensors` and appends
+    its peak to `peaks`: memory of a compiled step metered from inside (a dispatch mode
+    entered around a compiled call makes dynamo skip the frame). `adopt_inputs` counts the
+    graph's inputs as live (a backward graph's: what its forward saved)."""
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs: object) -> Callable[..., Any]:
+        def run(*args: object) -> object:
+            with LiveTensors() as meter:
+                if adopt_inputs:
+                    meter.adopt([a for a in args if isinstance(a, torch.Tensor)])
+                out = gm.forward(*args)
+            peaks.append(meter.peak)
+            return out
+
+        return run
+
+    return compiler
