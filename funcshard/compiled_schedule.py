@@ -20,7 +20,9 @@ holds what the eager step holds:
    at its last forward use.
 3. Each buffer's reduce (the gradient's concatenation, cast, reduce-scatter and wait, the
    backward of funcshard's gather) moves to just after its gradient is complete, instead
-   of the end of backward, so full-size gradients die one unit at a time.
+   of the end of backward, so full-size gradients die one unit at a time; its wait moves
+   to just before the next reduce starts, so one reduce is in flight while backward
+   computes the next gradient, as eagerly.
 
 The pass finds gathers and reduces by funcshard's own tag, not by a pattern of
 collectives: `compiled.full_params` runs each gather under `torch.fx.traceback.annotate`,
@@ -48,6 +50,7 @@ from torch import fx
 GATHER = "funcshard_gather"  # the meta["custom"] key of a gather's nodes: (index, unit, reshard)
 REGATHERED = "funcshard_regathered"  # meta flag of the backward copies of a gather chain
 
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _COLLECTIVE_STARTS = {
     torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
@@ -263,6 +266,32 @@ def _place_reduces(graph: fx.Graph, buffers: list[_Buffer]) -> None:
         for node in buffer.reduce:
             last.append(node)
             last = node
+    _overlap_reduces(graph, [b.reduce for b in buffers if b.reduce])
+
+
+def _overlap_reduces(graph: fx.Graph, chains: list[list[fx.Node]]) -> None:
+    """Leave one reduce in flight, as eagerly: each reduce's wait, and what follows it in
+    its chain, moves to just before the next reduce starts, so the collective runs while
+    backward computes the next gradient."""
+    positions = _positions(graph)
+    chains = sorted(chains, key=lambda chain: positions[chain[0]])
+    for chain, following in itertools.pairwise(chains):
+        waits = [i for i, n in enumerate(chain) if n.target is _WAIT]
+        start = next((n for n in following if n.target in _COLLECTIVE_STARTS), None)
+        if waits and start is not None:
+            _move_later_before(start, chain[waits[0] :])
+
+
+def _move_later_before(anchor: fx.Node, nodes: list[fx.Node]) -> None:
+    """Move `nodes` (in order) later, to just before `anchor`, unless a node outside them
+    reads one of them before `anchor`: then leave them where they are."""
+    moving = set(nodes)
+    readers = [u for n in nodes for u in n.users if u not in moving]
+    positions = _positions(anchor.graph)
+    if any(positions[r] < positions[anchor] for r in readers):
+        return
+    for node in nodes:
+        anchor.prepend(node)
 
 
 @functools.cache

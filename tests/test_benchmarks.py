@@ -43,9 +43,7 @@ def test_python_m_benchmarks_quick_writes_the_tables_ratios_and_plot(tmp_path):
         assert re.search(rf"\| {re.escape(name)} .*\| [\d.]+x +\| [≤≥] [\d.]+x", text), name
         assert name in out.stdout
     for name in ("plain (1 process)", "funcshard", "FSDP2"):  # (a): ms and ratio to plain
-        # median ms, IQR ms, tokens/s, then the ratio to plain
-        row = rf"\| {re.escape(name)} +\| +[\d.]+ +\| +[\d.]+ +\| +[\d,]+ +\| [\d.]+x"
-        assert re.search(row, text), name
+        assert re.search(rf"\| {re.escape(name)} +\| +[\d.]+ +\| [\d.]+x", text), name
     for name in ("funcshard replicate", "DDP"):  # (b): ms, ratios, peak MiB, ratio
         assert re.search(rf"\| {name} +\| +[\d.]+ +\|( [\d.]+x +\|){{2}} +[\d.]+ +\| [\d.]+x", text)
     assert re.search(r"\| +blocks \|", text) and re.search(r"\| +ranks \|", text)  # (c)

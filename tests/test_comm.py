@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import funcshard as fs
-from funcshard import collectives, testing
+from funcshard import collectives, compiled_schedule, testing
 from funcshard.testing.compare import assert_trees_close
 from funcshard.testing.dynamo import isolated
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
@@ -185,16 +185,26 @@ def _compiled(comm_name: str, rank: int) -> tuple:
     else:  # a carried reduce: the residual is an input and an output of the graph
         carry = tuple(torch.randn_like(c) * 1e-3 for c in fs.carry_zeros(state))
         step = fs.value_and_grad(functools.partial(_loss, model), comm=EF4, carry=carry)
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(state, x, y)
+    compiled = fs.compile(step, backend="aot_eager", fullgraph=True)(state, x, y)  # resharding
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
-    return compiled, step(state, x, y), breaks
+    key = tuple(sorted((i, flat.unit) for i, flat in enumerate(state.layout.flats)))
+    order = compiled_schedule.ISSUE_ORDERS[key]  # the scheduled graph's shard-axis collectives
+    gathers = collections.Counter(
+        state.layout.flats[i].unit for op, i in order if op == "all-gather"
+    )
+    return compiled, step(state, x, y), breaks, gathers
 
 
 @pytest.mark.parametrize("comm", ["q8", "ef4 with a carry"])
 def test_user_comm_compiles_into_one_graph_and_gives_the_eager_gradients(comm):
-    for compiled, eager, breaks in testing.run(functools.partial(_compiled, comm), 2, timeout=240):
+    for compiled, eager, breaks, gathers in testing.run(
+        functools.partial(_compiled, comm), 2, timeout=240
+    ):
         assert breaks == {}
         assert_trees_close(compiled, eager, rtol=1e-5, atol=1e-6)
+        # a user's gather is resharded too: the blocks gathered again in backward, twice as
+        # many all-gathers as the root's (Q8 gathers values and scales: two a gather)
+        assert gathers["blocks.0"] == gathers["blocks.1"] == 2 * gathers[""] > 0, gathers
 
 
 def _error_feedback(rank: int) -> dict:

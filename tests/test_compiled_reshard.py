@@ -54,6 +54,9 @@ def _describe(graph: torch.fx.Graph) -> dict:
             entry["ag"].append((position[node], bool(node.meta.get(REGATHERED))))
         elif node.target is RS:
             entry["rs"] += 1
+            wait = next(iter(node.users))
+            between = nodes[position[node] + 1 : position[wait]]
+            entry["overlapped"] = sum(1 for n in between if is_backward(n) and tag(n) is None)
         elif not node.meta.get(REGATHERED) and not is_backward(node):
             for user in node.users:
                 if tag(user) is None and not compiled_schedule._is_view(user):
@@ -129,6 +132,12 @@ def test_compiled_graph_gathers_each_resharded_buffer_twice_and_reduces_each_onc
         assert entry["rs"] == 1, entry
     kept = _runs()[False]["graph"]
     assert all(len(entry["ag"]) == 1 for entry in kept.values())
+
+
+def test_each_reduce_scatter_but_the_last_overlaps_backward_compute():
+    buffers = _runs()[True]["graph"].values()
+    overlapped = sorted(entry.get("overlapped", 0) > 0 for entry in buffers)
+    assert overlapped == [False] + [True] * (len(buffers) - 1), overlapped
 
 
 def test_each_forward_all_gather_is_issued_before_the_compute_of_the_buffer_before_it():
