@@ -23,8 +23,9 @@ gathered. So each gather runs under `torch.fx.traceback.annotate` (a tag every n
 inside it carries, its backward's too), and funcshard.compiled_schedule's pass, which
 `funcshard.compile` runs on the step's graph, moves each gather to its first use, regathers
 resharding units in backward and reduces each gradient as soon as it is complete (see
-[Note: resharding a compiled step]). An int `reshard_after_forward` k regathers from the
-whole shard axis there, not from groups of k; `offload` does not apply.
+[Note: resharding a compiled step]); with an int `reshard_after_forward` k, backward
+regathers from groups of k ranks the 1/k slice each kept, as eagerly. `offload` does not
+apply.
 """
 
 from __future__ import annotations
@@ -46,14 +47,24 @@ def full_params(state: ShardedState, comm: Comm | None = None) -> dict[str, Tens
     """Every parameter of the state, gathered differentiably, by FQN (with the replicated)."""
     specs, sinks = gather.specs_and_sinks(state, comm)
     params: dict[str, Tensor] = dict(state.replicated)
-    reshard = state.reshard_after_forward is not False
+    reshard = reshard_mark(state)
     for index, (shard, spec, sink) in enumerate(zip(state.shards, specs, sinks, strict=True)):
         # the root unit (named "") runs around the whole call: kept, as eagerly
-        mark = (index, spec.flat.unit, reshard and spec.flat.unit != "")
+        mark = (index, spec.flat.unit, reshard if spec.flat.unit != "" else False)
         with torch.fx.traceback.annotate({GATHER: mark}):  # see compiled_schedule
             full = gather.gather(shard, spec, sink=sink)
         params.update(zip(spec.flat.fqns, full, strict=True))
     return params
+
+
+def reshard_mark(state: ShardedState) -> bool | int:
+    """How the compiled step reshards the state's units after forward: not at all (False),
+    over the whole shard axis (True) or to k ranks (an int below the shard size), as the
+    eager step does."""
+    k = state.reshard_after_forward
+    if isinstance(k, bool) or k >= state.layout.mesh.shard_size:
+        return k is not False
+    return k
 
 
 def call(

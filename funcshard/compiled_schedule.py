@@ -17,7 +17,10 @@ holds what the eager step holds:
    parameters that backward reads, is copied before the first backward node that reads
    any of them, and those nodes read the copy; again the copy's all-gather starts before
    the backward compute of the buffer regathered before it. The forward gather then dies
-   at its last forward use.
+   at its last forward use. Resharding to k ranks (an int `reshard_after_forward`), forward
+   keeps the 1/k slice of the gathered buffer that this rank holds in its group of k, and
+   backward all-gathers it over that group (`register_regroup`, from `funcshard.compile`)
+   before copying the views, as the eager step does.
 3. Each buffer's reduce (the gradient's concatenation, cast, reduce-scatter and wait, the
    backward of funcshard's gather) moves to just after its gradient is complete, instead
    of the end of backward, so full-size gradients die one unit at a time; its wait moves
@@ -51,6 +54,7 @@ GATHER = "funcshard_gather"  # the meta["custom"] key of a gather's nodes: (inde
 REGATHERED = "funcshard_regathered"  # meta flag of the backward copies of a gather chain
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _COLLECTIVE_STARTS = {
     torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
@@ -227,12 +231,12 @@ def _regather_in_backward(graph: fx.Graph, buffers: list[_Buffer]) -> None:
         if not readers:
             continue
         first = min(readers, key=positions.__getitem__)
-        copies = _copy_before(graph, first, closure)
+        copies = _regathered(graph, buffer, closure, first)
         for node in closure:
             for user in list(node.users):
-                if is_backward(user):
+                if is_backward(user) and node in copies:
                     user.replace_input_with(node, copies[node])
-        chain_copy = [copies[n] for n in closure if n in set(buffer.chain)]
+        chain_copy = [copies[n] for n in closure if n in set(buffer.chain) and n in copies]
         anchors.append((first, chain_copy))
     positions = _positions(graph)
     anchors.sort(key=lambda a: positions[a[0]])
@@ -240,10 +244,80 @@ def _regather_in_backward(graph: fx.Graph, buffers: list[_Buffer]) -> None:
         _move_before(before, _start_part(chain_copy))
 
 
-def _copy_before(graph: fx.Graph, anchor: fx.Node, nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+# shard group name -> (k, the group of k ranks that shard regathers from, this rank's
+# position in it): registered by `funcshard.compile` for a state with an int
+# `reshard_after_forward` (see `register_regroup`)
+REGROUPS: dict[str, tuple[int, str, int]] = {}
+
+
+def register_regroup(shard_group: str, k: int, group: str, index: int) -> None:
+    """Say that buffers gathered over `shard_group` and tagged to reshard to `k` regather
+    from `group` (k ranks, this rank `index`-th), keeping a 1/k slice from forward."""
+    REGROUPS[shard_group] = (k, group, index)
+
+
+def _regathered(
+    graph: fx.Graph, buffer: _Buffer, closure: list[fx.Node], anchor: fx.Node
+) -> dict[fx.Node, fx.Node]:
+    """Backward's copies of a gather's nodes, before `anchor`: the whole chain, or, for a
+    buffer that reshards to k ranks, an all-gather over those k of the 1/k slice forward
+    kept (taken just after the forward all-gather's wait) and copies of the views."""
+    start = next((n for n in closure if n.target is _ALL_GATHER), None)
+    regroup = REGROUPS.get(start.args[2]) if start is not None else None
+    if isinstance(buffer.reshard, bool) or regroup is None or regroup[0] != buffer.reshard:
+        return _copy_before(graph, anchor, closure)
+    k, group, index = regroup
+    wait = next(iter(start.users))
+    full = wait.meta.get("val")
+    part = full.shape[0] // k if full is not None else None
+    with graph.inserting_after(wait):
+        kept = graph.call_function(
+            torch.ops.aten.slice.Tensor, (wait, 0, index * part, (index + 1) * part)
+        )
+    with graph.inserting_after(kept):
+        kept = _with_val(graph.call_function(torch.ops.aten.clone.default, (kept,)), full, part)
+    if "val" in kept.meta:
+        kept.args[0].meta["val"] = kept.meta["val"]
+    with graph.inserting_before(anchor):
+        gathered = graph.call_function(_ALL_GATHER, (kept, k, group))
+        waited = graph.call_function(_WAIT, (gathered,))
+    for node in (gathered, waited):
+        if full is not None:
+            node.meta["val"] = full
+        node.meta[REGATHERED] = True
+        node.meta["custom"] = dict(start.meta.get("custom", {}))
+    after = [n for n in closure if n is not wait and _depends_on(n, wait)]
+    copies = _copy_before(graph, anchor, after, {wait: waited})
+    copies[start], copies[wait] = gathered, waited
+    return copies
+
+
+def _with_val(node: fx.Node, full: Any, part: int | None) -> fx.Node:
+    """`node` with a `val` (a fake tensor of the kept slice, for inductor), when the
+    graph's nodes carry them."""
+    if hasattr(full, "fake_mode") and part is not None:
+        node.meta["val"] = full[:part].clone()
+    return node
+
+
+def _depends_on(node: fx.Node, base: fx.Node) -> bool:
+    frontier, seen = [node], set()
+    while frontier:
+        n = frontier.pop()
+        if n is base:
+            return True
+        if n not in seen:
+            seen.add(n)
+            frontier.extend(n.all_input_nodes)
+    return False
+
+
+def _copy_before(
+    graph: fx.Graph, anchor: fx.Node, nodes: list[fx.Node], env: dict | None = None
+) -> dict[fx.Node, fx.Node]:
     """Copies of `nodes` (in graph order) inserted before `anchor`, reading each other's
     copies; marked REGATHERED."""
-    copies: dict[fx.Node, fx.Node] = {}
+    copies: dict[fx.Node, fx.Node] = dict(env or {})
     with graph.inserting_before(anchor):
         for node in nodes:
             copy = graph.node_copy(node, lambda arg: copies.get(arg, arg))

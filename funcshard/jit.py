@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from funcshard import collectives, compiled_schedule
+from funcshard import collectives, compiled, compiled_schedule
 from funcshard.collectives import CollectiveError
 from funcshard.compiled_schedule import inductor_pass, reshard_backend
 from funcshard.state import ShardedState
@@ -54,6 +54,8 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
     @functools.wraps(fn)
     def step(*args: Any, **kwargs: Any) -> Any:
         state = next((a for a in (*args, *kwargs.values()) if isinstance(a, ShardedState)), None)
+        if state is not None:
+            _register_regroup(state)
         before = _issued(state)
         with torch._dynamo.config.patch(trace_autograd_ops=True), scheduling:
             try:
@@ -66,6 +68,20 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
                 raise _failed_inside(fn, state, before, error) from error
 
     return step
+
+
+def _register_regroup(state: ShardedState) -> None:
+    """For a state resharded to k ranks after forward: make the group of k ranks its
+    backward regathers from (on every rank together, as every rank calls the step) and
+    tell the schedule about it."""
+    k = compiled.reshard_mark(state)
+    if isinstance(k, bool):
+        return
+    mesh = state.layout.mesh
+    group = mesh.post_forward_group(k)
+    compiled_schedule.register_regroup(
+        mesh.shard_group.group_name, k, group.group_name, mesh.shard_rank % k
+    )
 
 
 def _issue_order(state: ShardedState) -> list[tuple[str, int]]:

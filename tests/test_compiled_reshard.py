@@ -240,3 +240,40 @@ def test_fs_compile_with_inductor_regathers_the_blocks_in_backward():
     result = testing.run(_inductor, world_size=2, timeout=300)[0]
     assert result["regathered"] == [2]  # one graph; both blocks regathered, not the root
     assert result["close"]
+
+
+@isolated()
+def _resharded_to_two(rank: int) -> dict:
+    """FSDP over 4 ranks with reshard_after_forward=2: backward regathers each block over 2
+    ranks from the half each kept."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
+    model = GPT(cfg)
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block}))
+    state = fs.shard(model, plan, fs.Mesh(shard=4), reshard_after_forward=2)
+    x, y = random_tokens(cfg, 2, seed=rank)
+    step = fs.value_and_grad(functools.partial(_loss, model))
+    gathers = []
+
+    def capture(gm, example_inputs):
+        gathers.extend(
+            (tag(n)[1], n.args[1], bool(n.meta.get(REGATHERED)))
+            for n in gm.graph.nodes
+            if n.target is AG and tag(n) is not None
+        )
+        return gm.forward
+
+    got = fs.compile(step, backend=reshard_backend(capture), fullgraph=True)(state, x, y)
+    return {"close": _close(got, step(state, x, y)), "gathers": sorted(gathers)}
+
+
+def test_resharding_to_k_ranks_regathers_from_groups_of_k():
+    for result in testing.run(_resharded_to_two, world_size=4, timeout=300):
+        assert result["close"]
+        assert result["gathers"] == [
+            ("", 4, False),  # the root: gathered once over the shard axis
+            ("blocks.0", 2, True),  # regathered over 2 ranks from the half each kept
+            ("blocks.0", 4, False),
+            ("blocks.1", 2, True),
+            ("blocks.1", 4, False),
+        ], result["gathers"]
