@@ -205,8 +205,8 @@ def _place_forward_gathers(graph: fx.Graph, buffers: list[_Buffer]) -> None:
     anchors = []
     for buffer in buffers:
         closure = set(_view_closure(buffer.chain))
-        readers = [
-            r for r in _readers(buffer.chain, closure) if not is_backward(r) and r.op != "output"
+        readers = [  # through the views too (a bias-free linear reads only `t` of its weight)
+            r for r in _readers(closure, closure) if not is_backward(r) and r.op != "output"
         ]
         if not readers or not buffer.chain:
             continue

@@ -277,3 +277,32 @@ def test_resharding_to_k_ranks_regathers_from_groups_of_k():
             ("blocks.1", 2, True),
             ("blocks.1", 4, False),
         ], result["gathers"]
+
+
+class _ProjectThenNorm(torch.nn.Module):
+    """A unit whose first reader of its gather reads a view: the bias-free projection's
+    matmul reads only `t` of its weight; the norm reads its parameters directly, later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, bias=False)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.proj(x))
+
+
+@isolated()
+def _read_through_views(rank: int) -> bool:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_ProjectThenNorm(), _ProjectThenNorm())
+    plan = fs.plan(model, policy=fs.policy.module_classes({_ProjectThenNorm}))
+    state = fs.shard(model, plan, fs.Mesh(shard=2))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    step = fs.value_and_grad(lambda s, x: fs.call(model, s, x).square().mean())
+    got = fs.compile(step, backend="aot_eager", fullgraph=True)(state, x)
+    return _close(got, step(state, x))
+
+
+def test_a_gather_first_read_through_a_view_is_placed_before_that_read():
+    assert all(testing.run(_read_through_views, world_size=2, timeout=300))
