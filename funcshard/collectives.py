@@ -395,7 +395,10 @@ def _exchange_reduce_scatter(flat: Tensor, group: ProcessGroup, op: str) -> tupl
     works += [group.recv([into], peer, tag) for peer, into in zip(peers, targets, strict=True)]
 
     def finish() -> None:
-        out.add_(parts[me]) if n > 1 else out.copy_(parts[me])  # one rank: communicate_alone
+        if n > 1:
+            out.add_(parts[me])
+        else:  # one rank, under communicate_alone: nothing was received
+            out.copy_(parts[me])
         if others is not None:
             out.add_(others.sum(0))
         if op == "avg":

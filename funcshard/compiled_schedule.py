@@ -268,36 +268,27 @@ def _regathered(
         return _copy_before(graph, anchor, closure)
     k, group, index = regroup
     wait = next(iter(start.users))
-    full = wait.meta.get("val")
-    part = full.shape[0] // k if full is not None else None
+    full = wait.meta.get("val")  # the gathered buffer's fake tensor: its size
+    if full is None:
+        return _copy_before(graph, anchor, closure)
+    part = slice(index * full.shape[0] // k, (index + 1) * full.shape[0] // k)
     with graph.inserting_after(wait):
-        kept = graph.call_function(
-            torch.ops.aten.slice.Tensor, (wait, 0, index * part, (index + 1) * part)
-        )
-    with graph.inserting_after(kept):
-        kept = _with_val(graph.call_function(torch.ops.aten.clone.default, (kept,)), full, part)
-    if "val" in kept.meta:
-        kept.args[0].meta["val"] = kept.meta["val"]
+        sliced = graph.call_function(torch.ops.aten.slice.Tensor, (wait, 0, part.start, part.stop))
+    with graph.inserting_after(sliced):
+        kept = graph.call_function(torch.ops.aten.clone.default, (sliced,))
+    sliced.meta["val"] = full[part]  # inductor lowers from these
+    kept.meta["val"] = full[part].clone()
     with graph.inserting_before(anchor):
         gathered = graph.call_function(_ALL_GATHER, (kept, k, group))
         waited = graph.call_function(_WAIT, (gathered,))
     for node in (gathered, waited):
-        if full is not None:
-            node.meta["val"] = full
+        node.meta["val"] = full
         node.meta[REGATHERED] = True
         node.meta["custom"] = dict(start.meta.get("custom", {}))
     after = [n for n in closure if n is not wait and _depends_on(n, wait)]
     copies = _copy_before(graph, anchor, after, {wait: waited})
     copies[start], copies[wait] = gathered, waited
     return copies
-
-
-def _with_val(node: fx.Node, full: Any, part: int | None) -> fx.Node:
-    """`node` with a `val` (a fake tensor of the kept slice, for inductor), when the
-    graph's nodes carry them."""
-    if hasattr(full, "fake_mode") and part is not None:
-        node.meta["val"] = full[:part].clone()
-    return node
 
 
 def _depends_on(node: fx.Node, base: fx.Node) -> bool:
