@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,8 +106,18 @@ _KINDS = {
 }
 
 
+def _order_key(units: Iterable[tuple[int, str]]) -> tuple:
+    return tuple(sorted(set(units)))
+
+
+def issue_order(units: Sequence[str]) -> list[tuple[str, int]]:
+    """The shard-axis collectives of the last scheduled graph over buffers of these units
+    (by buffer index), in the order the graph issues them; empty if none was scheduled."""
+    return ISSUE_ORDERS.get(_order_key(enumerate(units)), [])
+
+
 def _record_order(graph: fx.Graph, buffers: list[_Buffer]) -> None:
-    key = tuple(sorted({(b.index, b.unit) for b in buffers}))
+    key = _order_key((b.index, b.unit) for b in buffers)
     ISSUE_ORDERS[key] = [
         (_KINDS[n.target], tag(n)[0])
         for n in graph.nodes

@@ -87,8 +87,7 @@ def _register_regroup(state: ShardedState) -> None:
 def _issue_order(state: ShardedState) -> list[tuple[str, int]]:
     """The shard-axis collectives of the last compiled graph over this state's buffers, in
     the order the graph issues them (see compiled_schedule.ISSUE_ORDERS); empty if none."""
-    key = tuple(sorted((i, flat.unit) for i, flat in enumerate(state.layout.flats)))
-    return compiled_schedule.ISSUE_ORDERS.get(key, [])
+    return compiled_schedule.issue_order([flat.unit for flat in state.layout.flats])
 
 
 def _inductor_pass() -> contextlib.AbstractContextManager:

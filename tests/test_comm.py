@@ -187,8 +187,8 @@ def _compiled(comm_name: str, rank: int) -> tuple:
         step = fs.value_and_grad(functools.partial(_loss, model), comm=EF4, carry=carry)
     compiled = fs.compile(step, backend="aot_eager", fullgraph=True)(state, x, y)  # resharding
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
-    key = tuple(sorted((i, flat.unit) for i, flat in enumerate(state.layout.flats)))
-    order = compiled_schedule.ISSUE_ORDERS[key]  # the scheduled graph's shard-axis collectives
+    units = [flat.unit for flat in state.layout.flats]
+    order = compiled_schedule.issue_order(units)  # the scheduled graph's shard-axis collectives
     gathers = collections.Counter(
         state.layout.flats[i].unit for op, i in order if op == "all-gather"
     )
