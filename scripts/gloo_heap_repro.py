@@ -1,4 +1,4 @@
-"""torch's gloo backend corrupting the heap, without funcshard: the reproduction.
+"""torch's gloo backend corrupting the heap or hanging, without funcshard: the reproduction.
 
     python scripts/gloo_heap_repro.py [--world 4] [--seconds 30] [--api functional|c10d]
 
@@ -12,7 +12,16 @@ each Work held until waited, what funcshard's eager steps use on gloo) did not c
 Measured 2026-11-26 on 2 cores with torch 2.13.0, 4 ranks, the two APIs alternating:
 10 pairs of 30 s runs on an idle machine, functional 3 crashes (2 tcache, 1 segmentation
 fault) in 10 runs, c10d 0 in 10 (about 85,000 collectives); 20 pairs of 10 s runs beside
-a stress run, neither crashed. Exit status: 0 when every rank finished.
+a stress run, neither crashed. Measured 2026-11-26 on a lent 16-core machine with torch
+2.11.0, 8 copies at once, each pinned to its own 2 cores (`taskset`), 4 ranks each, 75 s
+allowed per 30 s run: functional 2 runs hung (every rank alive, no collective completing) and
+1 died of a segmentation fault in `wait_tensor`, in 22 runs; c10d 0 of 24. A hang is the
+other face of the same bug: issue 20's soak hang, where both ranks waited in `wait_tensor`
+on collectives they had issued alike, ran on the functional ops.
+
+A rank that has not finished `--hang-after` seconds after it started (default: twice
+`--seconds`, plus 15) prints every thread's stack and exits with status 1: a hang is
+reported, not waited out. Exit status: 0 when every rank finished.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import random
+import socket
 import time
 
 import torch
@@ -61,8 +71,9 @@ def _wait(handle: torch.Tensor | tuple) -> torch.Tensor:
     return _ops.wait_tensor(handle)
 
 
-def _rank(rank: int, world: int, port: int, seconds: float, api: str) -> None:
+def _rank(rank: int, world: int, port: int, seconds: float, api: str, hang_after: float) -> None:
     faulthandler.enable(all_threads=True)
+    faulthandler.dump_traceback_later(hang_after, exit=True)  # a hang: stacks, then exit
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -94,9 +105,21 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--api", choices=("functional", "c10d"), default="functional")
+    parser.add_argument("--hang-after", type=float, help="seconds; default 2 x --seconds + 15")
     args = parser.parse_args()
-    port = random.randrange(20000, 40000)
-    mp.spawn(_rank, args=(args.world, port, args.seconds, args.api), nprocs=args.world)
+    hang_after = args.hang_after or 2 * args.seconds + 15
+    mp.spawn(
+        _rank,
+        args=(args.world, _free_port(), args.seconds, args.api, hang_after),
+        nprocs=args.world,
+    )
+
+
+def _free_port() -> int:
+    """A port nobody listens on now (several copies of this script may run at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def _steps(name: str, world_size: int, rank: int) -> tuple[list, list[torch.Tens
     options = dict(options)
     policy = options.pop("policy", BLOCKS)
     torch.manual_seed(0)
-    model = make_model(GPTConfig(n_layer=2))
+    model = make_model(GPTConfig(n_layer=3))  # 3: a backward prefetch to decide
     mesh = fs.Mesh(**axes, check_collectives=True)
     state = fs.shard(model, fs.plan(model, policy=policy), mesh, **options)
     grad_fn = fs.value_and_grad(functools.partial(_loss, model), **grad_options)
