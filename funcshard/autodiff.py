@@ -19,6 +19,7 @@ from torch import Tensor
 
 from funcshard import finite, gather, recompute
 from funcshard.comm import Comm, check_carry
+from funcshard.gc_pause import collection_paused
 from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
 from funcshard.sharded_call import Prefetch
@@ -79,15 +80,17 @@ def value_and_grad(
             reduction = "none" if not reduce else "mean" if all_reduce else "shard"
             if carry is not None:
                 checked = check_carry(carry, params, "value_and_grad")
-                value, grads, new_carry = _carried_value_and_grad(
-                    f, has_aux, params, all_reduce, prefetch, comm, checked, args, kwargs
-                )
+                with collection_paused():  # see [Note: no garbage collection inside a step]
+                    value, grads, new_carry = _carried_value_and_grad(
+                        f, has_aux, params, all_reduce, prefetch, comm, checked, args, kwargs
+                    )
                 if check_finite:
                     finite.check(value[0] if has_aux else value, grads)
                 return value, grads, new_carry
-            value, grads = _sharded_value_and_grad(
-                f, has_aux, params, reduction, prefetch, args, kwargs, comm
-            )
+            with collection_paused():
+                value, grads = _sharded_value_and_grad(
+                    f, has_aux, params, reduction, prefetch, args, kwargs, comm
+                )
         elif isinstance(params, Mapping) and carry is None:
             value, grads = _dict_value_and_grad(f, has_aux, params, args, kwargs)
         else:
