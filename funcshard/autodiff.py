@@ -17,9 +17,8 @@ import optree
 import torch
 from torch import Tensor
 
-from funcshard import finite, gather, recompute
+from funcshard import finite, gather, gc_pause, recompute
 from funcshard.comm import Comm, check_carry
-from funcshard.gc_pause import collection_paused
 from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
 from funcshard.sharded_call import Prefetch
@@ -80,17 +79,25 @@ def value_and_grad(
             reduction = "none" if not reduce else "mean" if all_reduce else "shard"
             if carry is not None:
                 checked = check_carry(carry, params, "value_and_grad")
-                with collection_paused():  # see [Note: no garbage collection inside a step]
-                    value, grads, new_carry = _carried_value_and_grad(
-                        f, has_aux, params, all_reduce, prefetch, comm, checked, args, kwargs
-                    )
+                # see [Note: no garbage collection inside a step]
+                value, grads, new_carry = gc_pause.paused(
+                    _carried_value_and_grad,
+                    f,
+                    has_aux,
+                    params,
+                    all_reduce,
+                    prefetch,
+                    comm,
+                    checked,
+                    args,
+                    kwargs,
+                )
                 if check_finite:
                     finite.check(value[0] if has_aux else value, grads)
                 return value, grads, new_carry
-            with collection_paused():
-                value, grads = _sharded_value_and_grad(
-                    f, has_aux, params, reduction, prefetch, args, kwargs, comm
-                )
+            value, grads = gc_pause.paused(
+                _sharded_value_and_grad, f, has_aux, params, reduction, prefetch, args, kwargs, comm
+            )
         elif isinstance(params, Mapping) and carry is None:
             value, grads = _dict_value_and_grad(f, has_aux, params, args, kwargs)
         else:

@@ -10,33 +10,35 @@ dozen steps that brings a full collection, which scans every object in the proce
 overhead benchmark (32 GPT blocks, 322,000 objects) about 150 ms every 20 steps, 7.7 ms per
 step on average and 0.03-0.06 ms per block on the median, against none for plain PyTorch.
 
-So `value_and_grad` pauses the collector from its forward to the end of its backward.
-Nothing is left over for later: those objects die by reference counting as backward
-consumes them, and the collector's allocation count falls back with them. Garbage in
-cycles made meanwhile waits for the next collection after the step, as it would wait for
-the next threshold anyway. torchtitan goes further for the same cost: it turns automatic
-collection off for the whole run and collects every N steps. This pause covers only the
-step, and restores the collector's previous state.
+So `value_and_grad` pauses the collector (`paused`) from its forward to the end of its
+backward. Nothing is left over for later: those objects die by reference counting as
+backward consumes them, and the collector's allocation count falls back with them. Garbage
+in cycles made meanwhile waits for the next collection after the step, as it would wait for
+the next threshold anyway. torchtitan goes further for the same cost: it
+turns automatic collection off for the whole run and collects every N steps. This pause
+covers only the step, and restores the collector's previous state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
+T = TypeVar("T")
 
-@contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
-    """Disable automatic garbage collection inside the block, if it was enabled (and not
-    while dynamo traces: a compiled step keeps no Python saved tensors)."""
+
+def paused(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` with automatic garbage collection disabled, if it was enabled; the
+    collector's state restored after, also when `fn` raises. While dynamo traces, `fn`
+    runs as it is (a compiled step keeps no Python saved tensors), and outside any try
+    block: a graph break inside one would make dynamo give up the whole frame."""
     if torch.compiler.is_dynamo_compiling() or not gc.isenabled():
-        yield
-        return
+        return fn(*args)
     gc.disable()
     try:
-        yield
+        return fn(*args)
     finally:
         gc.enable()
