@@ -372,10 +372,10 @@ def _exchange_all_gather(shard: Tensor, group: ProcessGroup) -> tuple[Tensor, Ex
     for observe in _GATHER_OBSERVERS:
         observe(out)
     chunks = out.view(n, -1)
-    chunks[me].copy_(shard)
     peers = _peers(n, me)
     works = [group.send([shard], peer, tag) for peer in peers]
     works += [group.recv([chunks[peer]], peer, tag) for peer in peers]
+    chunks[me].copy_(shard)  # while the transport threads move the peers' parts
     return out, Exchange(group, works)
 
 
