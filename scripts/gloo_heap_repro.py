@@ -14,10 +14,11 @@ Measured 2026-11-26 on 2 cores with torch 2.13.0, 4 ranks, the two APIs alternat
 fault) in 10 runs, c10d 0 in 10 (about 85,000 collectives); 20 pairs of 10 s runs beside
 a stress run, neither crashed. Measured 2026-11-26 on a lent 16-core machine with torch
 2.11.0, 8 copies at once, each pinned to its own 2 cores (`taskset`), 4 ranks each, 75 s
-allowed per 30 s run: functional 2 runs hung (every rank alive, no collective completing) and
-1 died of a segmentation fault in `wait_tensor`, in 22 runs; c10d 0 of 24. A hang is the
-other face of the same bug: issue 20's soak hang, where both ranks waited in `wait_tensor`
-on collectives they had issued alike, ran on the functional ops.
+allowed per 30 s run (scripts/gloo_heap_pairs.sh): functional 2 runs hung (every rank
+alive, no collective completing) and 1 died of a segmentation fault in `wait_tensor`, in 22
+runs; c10d 0 of 24. A hang is the other face of the same bug: issue 20's soak hang, where
+both ranks waited in `wait_tensor` on collectives they had issued alike, ran on the
+functional ops.
 
 A rank that has not finished `--hang-after` seconds after it started (default: twice
 `--seconds`, plus 15) prints every thread's stack and exits with status 1: a hang is
