@@ -95,7 +95,7 @@ def value_and_grad(
                 if check_finite:
                     finite.check(value[0] if has_aux else value, grads)
                 return value, grads, new_carry
-            value, grads = gc_pause.paused(
+            value, grads = gc_pause.paused(  # see [Note: no garbage collection inside a step]
                 _sharded_value_and_grad, f, has_aux, params, reduction, prefetch, args, kwargs, comm
             )
         elif isinstance(params, Mapping) and carry is None:

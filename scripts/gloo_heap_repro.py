@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--api", choices=("functional", "c10d"), default="functional")
     parser.add_argument("--hang-after", type=float, help="seconds; default 2 x --seconds + 15")
     args = parser.parse_args()
-    hang_after = args.hang_after or 2 * args.seconds + 15
+    hang_after = 2 * args.seconds + 15 if args.hang_after is None else args.hang_after
     mp.spawn(
         _rank,
         args=(args.world, _free_port(), args.seconds, args.api, hang_after),
