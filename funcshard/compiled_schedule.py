@@ -55,11 +55,8 @@ REGATHERED = "funcshard_regathered"  # meta flag of the backward copies of a gat
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-_COLLECTIVE_STARTS = {
-    torch.ops._c10d_functional.all_gather_into_tensor.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops._c10d_functional.all_reduce.default,
-}
+_REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+_COLLECTIVE_STARTS = {_ALL_GATHER, _REDUCE_SCATTER, torch.ops._c10d_functional.all_reduce.default}
 
 
 @dataclass
@@ -100,10 +97,7 @@ def schedule(graph: fx.Graph) -> None:
 # keyed by the (index, unit) pairs of its buffers. `funcshard.compile` names the collective
 # that failed inside a compiled step from it.
 ISSUE_ORDERS: dict[tuple, list[tuple[str, int]]] = {}
-_KINDS = {
-    torch.ops._c10d_functional.all_gather_into_tensor.default: "all-gather",
-    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce-scatter",
-}
+_KINDS = {_ALL_GATHER: "all-gather", _REDUCE_SCATTER: "reduce-scatter"}
 
 
 def _order_key(units: Iterable[tuple[int, str]]) -> tuple:
