@@ -17,7 +17,7 @@ import optree
 import torch
 from torch import Tensor
 
-from funcshard import finite, gather, gc_pause, recompute
+from funcshard import finite, gather, gc_pause, host_memory, recompute
 from funcshard.comm import Comm, check_carry
 from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
@@ -76,6 +76,7 @@ def value_and_grad(
     @functools.wraps(f, updated=())  # (merging f.__dict__ is untraceable for a partial)
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         if isinstance(params, ShardedState):
+            _keep_host_memory(params)
             reduction = "none" if not reduce else "mean" if all_reduce else "shard"
             if carry is not None:
                 checked = check_carry(carry, params, "value_and_grad")
@@ -300,6 +301,13 @@ def _dict_value_and_grad(f, has_aux, params, args, kwargs):
     for k, g in zip(trainable, found, strict=True):
         grads[k] = torch.zeros_like(inputs[k]) if g is None else g
     return _value(loss, aux, has_aux), grads
+
+
+def _keep_host_memory(state: ShardedState) -> None:
+    """A step on the CPU keeps the host memory it frees for the next one (see [Note: host
+    memory kept between steps]); decided once per process, and not while dynamo traces."""
+    if state.layout.mesh.device_type == "cpu" and not torch.compiler.is_dynamo_compiling():
+        host_memory.keep()
 
 
 def _differentiated_leaves(params: Mapping[str, Any]) -> list[str]:

@@ -119,3 +119,10 @@ def test_compiled_benchmark_checks_against_eager_then_times_and_meters_the_steps
     for step in (*metered, "fs.compile(step), units kept (aot_eager)"):  # timed and metered
         row = rf"^{re.escape(step)}\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+x$"
         assert re.search(row, out, flags=re.M), out
+
+
+def test_host_memory_benchmark_alternates_processes_and_compares_their_faults():
+    out = _run("-m", "benchmarks.host_memory", "--quick", "--pairs", "1", "--rounds", "2")
+    rows = re.findall(r"^\| (glibc's defaults|memory kept) +\|( +\d+ +\|){2}", out.stdout, re.M)
+    assert [r[0] for r in rows] == ["glibc's defaults", "memory kept"], out.stdout
+    assert re.search(r"memory kept: funcshard / DDP [\d.]+-[\d.]+, mean [\d.]+", out.stdout)
