@@ -83,8 +83,9 @@ def _subprocess(keep: str, rounds: int, quick: bool) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        check=True,
     )
+    if out.returncode != 0:
+        raise SystemExit(f"{host_memory.ENV}={keep}: the measurement failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -76,7 +76,6 @@ def value_and_grad(
     @functools.wraps(f, updated=())  # (merging f.__dict__ is untraceable for a partial)
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         if isinstance(params, ShardedState):
-            _keep_host_memory(params)
             reduction = "none" if not reduce else "mean" if all_reduce else "shard"
             if carry is not None:
                 checked = check_carry(carry, params, "value_and_grad")
@@ -95,10 +94,13 @@ def value_and_grad(
                 )
                 if check_finite:
                     finite.check(value[0] if has_aux else value, grads)
-                return value, grads, new_carry
+                host_memory.keep_for(params.layout.mesh.device_type)  # see [Note: host memory
+                return value, grads, new_carry  # kept between steps]
             value, grads = gc_pause.paused(  # see [Note: no garbage collection inside a step]
                 _sharded_value_and_grad, f, has_aux, params, reduction, prefetch, args, kwargs, comm
             )
+            host_memory.keep_for(params.layout.mesh.device_type)  # see [Note: host memory kept
+            # between steps]
         elif isinstance(params, Mapping) and carry is None:
             value, grads = _dict_value_and_grad(f, has_aux, params, args, kwargs)
         else:
@@ -301,13 +303,6 @@ def _dict_value_and_grad(f, has_aux, params, args, kwargs):
     for k, g in zip(trainable, found, strict=True):
         grads[k] = torch.zeros_like(inputs[k]) if g is None else g
     return _value(loss, aux, has_aux), grads
-
-
-def _keep_host_memory(state: ShardedState) -> None:
-    """A step on the CPU keeps the host memory it frees for the next one (see [Note: host
-    memory kept between steps]); decided once per process, and not while dynamo traces."""
-    if state.layout.mesh.device_type == "cpu" and not torch.compiler.is_dynamo_compiling():
-        host_memory.keep()
 
 
 def _differentiated_leaves(params: Mapping[str, Any]) -> list[str]:

@@ -35,9 +35,6 @@ class Binding:
     # parameter once, in flat order: (flat index, shape)
     param_slots: tuple[tuple[tuple[Slot, int, Tensor], ...], ...]  # per unit: (slot, index into
     # unit_params, meta placeholder) for every slot holding one of the unit's parameters
-    unit_stores: tuple[tuple[tuple[dict[str, Tensor], str, int, Tensor], ...], ...]  # the
-    # same per unit as (the slot's module's parameter dict, attr, index, placeholder): what
-    # a call writes when a unit starts and ends, with no function call per slot
     whole_call: frozenset[int]  # units gathered for the whole call
     replicated_slots: tuple[tuple[Slot, str], ...]
     buffer_slots: tuple[tuple[Slot, str], ...]
@@ -136,10 +133,6 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         unit_flats=unit_flats,
         unit_params=unit_params,
         param_slots=tuple(param_slots),
-        unit_stores=tuple(
-            tuple((slot.module._parameters, slot.attr, i, meta) for slot, i, meta in slots)
-            for slots in param_slots
-        ),
         whole_call=whole,
         replicated_slots=tuple(replicated),
         buffer_slots=buffer_slots,

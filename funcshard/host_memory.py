@@ -15,10 +15,11 @@ model's own backward allocates. So the heap shrinks and grows by more than the t
 threshold every step, and the faults come back every step. DDP takes fewer: its gradient
 buckets live as long as the model.
 
-So the first funcshard step on the CPU (`value_and_grad` on a CPU state) asks glibc to keep
-what the process frees: no block gets a mapping of its own (`M_MMAP_MAX` 0), and the heap is
-trimmed only beyond 2 GiB of free space at its top (`M_TRIM_THRESHOLD`). CUDA's caching
-allocator does the same on a GPU: memory a step allocated stays with the process.
+So once the first funcshard step on the CPU is through (`value_and_grad` on a CPU state, or
+a step compiled with `fs.compile`), funcshard asks glibc to keep what the process frees: no
+block gets a mapping of its own (`M_MMAP_MAX` 0), and the heap is trimmed only beyond 2 GiB
+of free space at its top (`M_TRIM_THRESHOLD`). CUDA's caching allocator does the same on a
+GPU: memory a step allocated stays with the process.
 
 Measured with `python -m benchmarks.host_memory`: the training benchmark's GPT (13.8M
 parameters) on 2 gloo ranks, funcshard FSDP and DDP in interleaved rounds, 6 processes with
@@ -32,20 +33,27 @@ glibc's defaults alternating with 6 keeping memory; medians per process:
 In 5 of the 6 pairs the kept process had the lower ratio (the sixth overlapped with other
 work on the machine).
 
-The cost: the process's resident memory stays near its peak between steps, as a GPU's
-reserved memory does, instead of falling back. `release()` hands the free part back
-(`malloc_trim`), e.g. between training and evaluation; FUNCSHARD_KEEP_HOST_MEMORY=0 leaves
-glibc's defaults alone. It is a setting of the whole process, made once and never undone:
-every framework in the process (a benchmark's DDP too) allocates under it from then on.
-Other C libraries (musl, macOS's) are left as they are.
+The cost: the process's resident memory stays at its high-water mark between steps, as a
+GPU's reserved memory does, instead of falling back, and since every block now comes from
+the heap, free holes in its middle can raise that mark above the peak of live tensors.
+`release()` hands the free part back (`malloc_trim`), e.g. between training and evaluation;
+FUNCSHARD_KEEP_HOST_MEMORY=0 leaves glibc's defaults alone. It is a setting of the whole
+process, made once and never undone: every framework in the process (a benchmark's DDP too)
+allocates under it from then on, and processes forked after it (DataLoader workers) inherit
+it. Other C libraries (musl, macOS's) are left as they are; under an allocator preloaded in
+glibc's place (jemalloc, tcmalloc) glibc's settings change nothing, though `kept()` says
+True.
 """
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import os
 import platform
 import sys
+from typing import Any
+
+import torch
 
 ENV = "FUNCSHARD_KEEP_HOST_MEMORY"
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
@@ -57,6 +65,13 @@ class _Kept:
     """Whether this process asked glibc to keep freed memory (None: not decided yet)."""
 
     kept: bool | None = None
+
+
+def keep_for(device_type: str | None) -> None:
+    """`keep` after a step on `device_type` if it allocates from the host ("cpu"); not
+    while dynamo traces (`fs.compile`'s wrapper calls it after the compiled step)."""
+    if device_type == "cpu" and not torch.compiler.is_dynamo_compiling():
+        keep()
 
 
 def keep() -> bool:
@@ -76,22 +91,26 @@ def kept() -> bool:
 def release() -> bool:
     """Hand the memory the process has freed back to the kernel now (`malloc_trim`).
     Returns whether any was handed back; False without glibc."""
-    libc = _glibc()
-    return libc is not None and bool(libc.malloc_trim(0))
+    trim = _glibc_function("malloc_trim")
+    return trim is not None and bool(trim(0))
 
 
 def _ask_glibc_to_keep() -> bool:
-    libc = _glibc()
-    return libc is not None and bool(
-        libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+    mallopt = _glibc_function("mallopt")
+    return mallopt is not None and bool(
+        mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
     )
 
 
-def _glibc() -> ctypes.CDLL | None:
-    """The process's C library, if it is glibc (whose `mallopt` this module sets)."""
+@functools.cache
+def _glibc_function(name: str) -> Any:
+    """glibc's function `name` as the process has it loaded, or None (another C library, no
+    ctypes, or a Python linked statically without it)."""
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        return ctypes.CDLL(None)  # the symbols the process has loaded, its C library's among them
-    except OSError:
+        import ctypes  # here: a Python built without ctypes still imports funcshard
+
+        return getattr(ctypes.CDLL(None), name, None)  # the process's own symbols
+    except (ImportError, OSError):
         return None

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from funcshard import collectives, compiled, compiled_schedule
+from funcshard import collectives, compiled, compiled_schedule, host_memory
 from funcshard.collectives import CollectiveError
 from funcshard.compiled_schedule import inductor_pass, reshard_backend
 from funcshard.state import ShardedState
@@ -59,13 +59,16 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
         before = _issued(state)
         with torch._dynamo.config.patch(trace_autograd_ops=True), scheduling:
             try:
-                return compiled(*args, **kwargs)
+                out = compiled(*args, **kwargs)
             except CollectiveError:
                 raise
             except RuntimeError as error:
                 if not collectives.is_failure(error):
                     raise
                 raise _failed_inside(fn, state, before, error) from error
+        if state is not None:  # see [Note: host memory kept between steps]
+            host_memory.keep_for(state.layout.mesh.device_type)
+        return out
 
     return step
 

@@ -3,18 +3,15 @@ backward regathers each unit when it first needs it.
 
 [Note: resharding after forward]
 While a sharded call runs, `saved_tensors_hooks` replaces every tensor autograd saves from a
-gathered buffer with a handle, a tuple (unit, the buffer's position among the unit's, the
-view's size, stride and offset), so the buffer itself can be dropped when its unit's module
-returns. (A tuple, not an object of a class: the hooks run for every tensor the call saves,
-two dozen per GPT block, and a tuple is the cheapest to make and to recognize.) In backward
-the first unpack of a unit regathers it, from the whole shard group or, with
-`reshard_after_forward=k`, from the 1/k slice each rank kept over groups of k ranks, and
-issues the regather of the unit that ran before it in forward (a prefetch); the unit that
-ran last in forward keeps its buffers (`forward_done`), since backward needs it first. The
-regathered buffers are dropped when the unit's gather nodes are about to run (a node
-pre-hook): by then the unit's backward is done, and the gather's backward reads no
-parameter. torch.func refuses saved-tensor hooks, so under its transforms nothing is
-resharded (see `funcshard.sharded_call`).
+gathered buffer with a small `_Handle` (unit, buffer, view geometry), so the buffer itself
+can be dropped when its unit's module returns. In backward the first unpack of a unit
+regathers it, from the whole shard group or, with `reshard_after_forward=k`, from the 1/k
+slice each rank kept over groups of k ranks, and issues the regather of the unit that ran
+before it in forward (a prefetch); the unit that ran last in forward keeps its buffers
+(`forward_done`), since backward needs it first. The regathered buffers are dropped when
+the unit's gather nodes are about to run (a node pre-hook): by then the unit's backward is
+done, and the gather's backward reads no parameter. torch.func refuses saved-tensor hooks,
+so under its transforms nothing is resharded (see `funcshard.sharded_call`).
 """
 
 from __future__ import annotations
@@ -29,6 +26,21 @@ from funcshard import chaos, collectives
 
 if TYPE_CHECKING:
     from funcshard.sharded_call import _Run
+
+
+class _Handle:
+    """What autograd keeps instead of a view into a resharded unit's gathered buffer: the
+    unit, the buffer's position among the unit's, and the view's geometry."""
+
+    __slots__ = ("offset", "position", "size", "stride", "unit")
+
+    def __init__(self, unit: int, position: int, tensor: Tensor) -> None:
+        self.unit, self.position = unit, position
+        self.size, self.stride, self.offset = (
+            tensor.size(),
+            tensor.stride(),
+            tensor.storage_offset(),
+        )
 
 
 class Regather:
@@ -109,14 +121,14 @@ class Regather:
             # detached: a saved output that held its own grad_fn would close a cycle through
             # C++ (node -> saved tensor -> node) that keeps a graph never backpropagated alive
             return tensor if tensor.is_leaf else tensor.detach()
-        return (owner[0], owner[1], tensor.size(), tensor.stride(), tensor.storage_offset())
+        return _Handle(owner[0], owner[1], tensor)
 
     def unpack(self, packed: Any) -> Tensor:
         chaos.point()
-        if type(packed) is not tuple:  # a tensor: not a handle
+        if not isinstance(packed, _Handle):
             return packed
-        unit, position, size, stride, offset = packed
-        return self.gathered(unit)[position].as_strided(size, stride, offset)
+        flat = self.gathered(packed.unit)[packed.position]
+        return flat.as_strided(packed.size, packed.stride, packed.offset)
 
     def gathered(self, unit: int) -> tuple[Tensor, ...]:
         """A unit's buffers in backward, regathered (and the next unit's regather issued)."""

@@ -236,8 +236,8 @@ class _Run:
         nxt = self.forward_next.get(unit) if self.prefetch else None
         if nxt is not None:
             self.issue(nxt)
-        for store, attr, index, _ in self.binding.unit_stores[unit]:
-            store[attr] = params[index]
+        for slot, index, _ in self.binding.param_slots[unit]:  # (set_slot, inlined: per slot)
+            slot.module._parameters[slot.attr] = params[index]
 
     def relink(self, unit: int) -> None:
         """The first module owning a slot of a whole-call unit is about to run: give the unit
@@ -261,8 +261,8 @@ class _Run:
                 views = gather.gather(shard, spec, source, sink, deferred)
             params.extend(views)
         self.params[unit] = tuple(params)
-        for store, attr, index, _ in self.binding.unit_stores[unit]:
-            store[attr] = params[index]
+        for slot, index, _ in self.binding.param_slots[unit]:  # (set_slot, inlined: per slot)
+            slot.module._parameters[slot.attr] = params[index]
 
     def differentiates(self, unit: int) -> bool:
         return any(self.differentiable[i] for i in self.binding.unit_flats[unit])
@@ -282,8 +282,8 @@ class _Run:
 
     def _swap_out(self, unit: int) -> None:
         """Put meta placeholders in a unit's slots: a use outside its forward fails loudly."""
-        for store, attr, _, placeholder in self.binding.unit_stores[unit]:
-            store[attr] = placeholder
+        for slot, _, placeholder in self.binding.param_slots[unit]:
+            slot.module._parameters[slot.attr] = placeholder
 
     def recompute_params(self, unit: int) -> tuple[Tensor, ...]:
         """A unit's parameters for a recomputation in backward, regathered if the unit was

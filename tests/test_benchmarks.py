@@ -12,6 +12,7 @@ ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of the repository, not installed
 
 from benchmarks import gpu, report  # noqa: E402
+from funcshard import host_memory  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TARGET_RATIOS = (
@@ -121,6 +122,7 @@ def test_compiled_benchmark_checks_against_eager_then_times_and_meters_the_steps
         assert re.search(row, out, flags=re.M), out
 
 
+@pytest.mark.skipif(host_memory._glibc_function("mallopt") is None, reason="glibc only")
 def test_host_memory_benchmark_alternates_processes_and_compares_their_faults():
     out = _run("-m", "benchmarks.host_memory", "--quick", "--pairs", "1", "--rounds", "2")
     rows = re.findall(r"^\| (glibc's defaults|memory kept) +\|( +\d+ +\|){2}", out.stdout, re.M)

@@ -27,7 +27,7 @@ def _probe(**env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(host_memory._glibc() is None, reason="keeps memory only under glibc")
+@pytest.mark.skipif(host_memory._glibc_function("mallopt") is None, reason="glibc only")
 def test_after_a_cpu_step_a_freed_block_comes_back_without_page_faults():
     result = _probe(**{host_memory.ENV: "1"})
     assert not result["kept_before"] and result["kept"], result
@@ -39,5 +39,15 @@ def test_after_a_cpu_step_a_freed_block_comes_back_without_page_faults():
 def test_funcshard_keep_host_memory_0_leaves_glibc_as_it_is():
     result = _probe(**{host_memory.ENV: "0"})
     assert not result["kept"], result
-    if host_memory._glibc() is not None:
+    if host_memory._glibc_function("mallopt") is not None:
         assert result["after"] >= PAGES // 2, result
+
+
+def test_only_a_step_on_the_cpu_keeps_memory(monkeypatch):
+    asked = []
+    monkeypatch.setattr(host_memory, "keep", lambda: asked.append(True) or True)
+    for device_type in ("cuda", "meta", None):
+        host_memory.keep_for(device_type)
+    assert not asked
+    host_memory.keep_for("cpu")
+    assert asked == [True]

@@ -26,8 +26,7 @@ def faults_per_reallocation(times: int = 3) -> int:
     return min(counts)
 
 
-if __name__ == "__main__":
-    store = os.path.join(tempfile.mkdtemp(), "store")
+def main(store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     before = faults_per_reallocation()
     kept_before = host_memory.kept()
@@ -45,3 +44,8 @@ if __name__ == "__main__":
     }
     dist.destroy_process_group()
     print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as directory:
+        main(os.path.join(directory, "store"))
