@@ -602,7 +602,7 @@ def test_eager_gloo_collectives_go_through_held_work_objects_with_the_same_resul
             assert got["results"][name] == want.tolist(), (rank, name)
 
 
-def _exchanges_in_flight(rank: int) -> list[list[float]]:
+def _exchanges_in_flight(rank: int) -> tuple[list[list[float]], bool]:
     """Several gloo exchanges in flight at once on 3 ranks, of two sizes, waited newest
     first: each result must come from its own collective."""
     group = fs.Mesh(shard=3).shard_group
@@ -614,11 +614,17 @@ def _exchanges_in_flight(rank: int) -> list[list[float]]:
             issued.append(collectives.reduce_scatter(x, group, "sum" if i == 1 else "avg"))
         else:
             issued.append(collectives.all_gather(x, group))
-    return [p.wait().tolist() for p in reversed(issued)][::-1]
+    results = [p.wait().tolist() for p in reversed(issued)][::-1]
+    twin = collectives._carrier(group, 2, 0)  # messages to a lower rank: the group's twin
+    same = twin is not group and dist.get_process_group_ranks(twin) == [0, 1, 2]
+    return results, same and collectives._carrier(group, 0, 2) is group
 
 
 def test_gloo_exchanges_in_flight_together_each_get_their_own_results_on_three_ranks():
-    results = testing.run(_exchanges_in_flight, world_size=3)
+    """Messages to higher ranks go through the group, to lower ranks through its twin (see
+    [Note: gloo collectives as exchanges]); either way each result is its own."""
+    results, twins = zip(*testing.run(_exchanges_in_flight, world_size=3), strict=True)
+    assert all(twins), twins
     inputs = [
         [torch.arange(float(n)) * (r + 1) + 100 * i for r in range(3)]
         for i, n in enumerate((6, 12, 6, 3))
