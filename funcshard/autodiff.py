@@ -92,15 +92,20 @@ def value_and_grad(
                     args,
                     kwargs,
                 )
-                if check_finite:
-                    finite.check(value[0] if has_aux else value, grads)
-                host_memory.keep_for(params.layout.mesh.device_type)  # see [Note: host memory
-                return value, grads, new_carry  # kept between steps]
-            value, grads = gc_pause.paused(  # see [Note: no garbage collection inside a step]
-                _sharded_value_and_grad, f, has_aux, params, reduction, prefetch, args, kwargs, comm
-            )
-            host_memory.keep_for(params.layout.mesh.device_type)  # see [Note: host memory kept
-            # between steps]
+            else:
+                value, grads = gc_pause.paused(  # see [Note: no garbage collection inside a step]
+                    _sharded_value_and_grad,
+                    f,
+                    has_aux,
+                    params,
+                    reduction,
+                    prefetch,
+                    args,
+                    kwargs,
+                    comm,
+                )
+            # see [Note: host memory kept between steps]
+            host_memory.keep_for(params.layout.mesh.device_type)
         elif isinstance(params, Mapping) and carry is None:
             value, grads = _dict_value_and_grad(f, has_aux, params, args, kwargs)
         else:
@@ -110,7 +115,7 @@ def value_and_grad(
             )
         if check_finite:
             finite.check(value[0] if has_aux else value, grads)
-        return value, grads
+        return (value, grads, new_carry) if carry is not None else (value, grads)
 
     return wrapped
 

@@ -52,7 +52,7 @@ import inspect
 import itertools
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,8 +236,7 @@ class _Run:
         nxt = self.forward_next.get(unit) if self.prefetch else None
         if nxt is not None:
             self.issue(nxt)
-        for slot, index, _ in self.binding.param_slots[unit]:  # (set_slot, inlined: per slot)
-            slot.module._parameters[slot.attr] = params[index]
+        self._swap_in(unit, params)
 
     def relink(self, unit: int) -> None:
         """The first module owning a slot of a whole-call unit is about to run: give the unit
@@ -261,8 +260,7 @@ class _Run:
                 views = gather.gather(shard, spec, source, sink, deferred)
             params.extend(views)
         self.params[unit] = tuple(params)
-        for slot, index, _ in self.binding.param_slots[unit]:  # (set_slot, inlined: per slot)
-            slot.module._parameters[slot.attr] = params[index]
+        self._swap_in(unit, params)
 
     def differentiates(self, unit: int) -> bool:
         return any(self.differentiable[i] for i in self.binding.unit_flats[unit])
@@ -279,6 +277,12 @@ class _Run:
             self.regather.release(unit, self.full[unit] or ())
         self.full[unit] = None
         self.params[unit] = None
+
+    def _swap_in(self, unit: int, params: Sequence[Tensor]) -> None:
+        """Put a unit's parameters in its slots (`set_slot` inlined: it runs per slot, two
+        dozen times per GPT block and call)."""
+        for slot, index, _ in self.binding.param_slots[unit]:
+            slot.module._parameters[slot.attr] = params[index]
 
     def _swap_out(self, unit: int) -> None:
         """Put meta placeholders in a unit's slots: a use outside its forward fails loudly."""
