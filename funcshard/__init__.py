@@ -1,6 +1,7 @@
 """funcshard: data-parallel sharding (FSDP, DDP, HSDP) for PyTorch, as pure functions on pytrees."""
 
 from funcshard import checkpoint as checkpoint
+from funcshard import host_memory as host_memory
 from funcshard import optim as optim
 from funcshard import policy as policy
 from funcshard import testing as testing
@@ -93,6 +94,7 @@ __all__ = [
     "full_state_dict",
     "global_norm",
     "grad",
+    "host_memory",
     "keep_gathered",
     "manual_seed",
     "optim",
