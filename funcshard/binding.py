@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +43,9 @@ class Binding:
     relinks: tuple[tuple[nn.Module, tuple[int, ...]], ...]  # (module, the whole-call units
     # owning a slot in it): where each such unit is first used (see `_Run.relink`)
     relinked_units: frozenset[str]  # the names of the units in `relinks`
+    unit_placeholders: tuple[tuple[tuple[nn.Module, dict[str, Tensor]], ...], ...]  # per
+    # unit: (module, {attr: meta placeholder}) for each module holding its parameter slots
+    slot_modules: tuple[nn.Module, ...]  # every module holding a slot, once
     units_under: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False)
     # module id -> the units owning a parameter slot under it (filled on first recompute)
 
@@ -126,6 +130,9 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
                 entry = relinks.setdefault(id(slot.module), (slot.module, []))
                 if unit not in entry[1]:
                     entry[1].append(unit)
+    unit_placeholders = tuple(_placeholders_by_module(slots) for slots in param_slots)
+    slot_modules = {id(s.module): s.module for unit in param_slots for s, _, _ in unit}
+    slot_modules.update((id(s.module), s.module) for s, _ in (*replicated, *buffer_slots))
     return Binding(
         layout=layout,
         unit_names=units,
@@ -139,7 +146,18 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         module_ids=frozenset(id(m) for m in model.modules()),
         relinks=tuple((module, tuple(units)) for module, units in relinks.values()),
         relinked_units=frozenset(units[u] for _, us in relinks.values() for u in us),
+        unit_placeholders=unit_placeholders,
+        slot_modules=tuple(slot_modules.values()),
     )
+
+
+def _placeholders_by_module(
+    slots: tuple[tuple[Slot, int, Tensor], ...],
+) -> tuple[tuple[nn.Module, dict[str, Tensor]], ...]:
+    by_module: dict[int, tuple[nn.Module, dict[str, Tensor]]] = {}
+    for slot, _, placeholder in slots:
+        by_module.setdefault(id(slot.module), (slot.module, {}))[1][slot.attr] = placeholder
+    return tuple(by_module.values())
 
 
 def has_forward(module: nn.Module) -> bool:
@@ -205,3 +223,21 @@ def restore_slots(saved: list[tuple[Slot, Tensor]]) -> None:
     """Put back what `save_slots` saw."""
     for slot, tensor in saved:
         set_slot(slot, tensor)
+
+
+Snapshot = list[tuple[dict[str, Any], dict[str, Any]]]
+
+
+def snapshot_stores(binding: Binding) -> Snapshot:
+    """What every slot of the model holds now, as copies of the parameter and buffer dicts
+    of the modules holding slots: one C-level copy per module rather than a Python call per
+    slot (a call runs this once per step, over every slot of the model)."""
+    stores = [m._parameters for m in binding.slot_modules]
+    stores += [m._buffers for m in binding.slot_modules]
+    return [(store, dict(store)) for store in stores]
+
+
+def restore_stores(snapshot: Snapshot) -> None:
+    """Put back what `snapshot_stores` saw (entries added since stay)."""
+    for store, saved in snapshot:
+        store.update(saved)

@@ -18,8 +18,12 @@ import gc
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -55,6 +59,21 @@ def point() -> None:
     """A place where timing may differ between ranks: under chaos, maybe wait or collect."""
     if _active is not None:
         _active.hit()
+
+
+def active() -> bool:
+    """Whether chaos is on (for hot paths that pick their functions once, see `at_point`)."""
+    return _active is not None
+
+
+def at_point(fn: Callable[[T], R]) -> Callable[[T], R]:
+    """`fn` with a chaos `point` before each call."""
+
+    def with_point(arg: T) -> R:
+        point()
+        return fn(arg)
+
+    return with_point
 
 
 @contextlib.contextmanager

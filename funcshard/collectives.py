@@ -277,11 +277,14 @@ def collective_stream(kind: str, device: torch.device) -> Any:
     return streams[kind]
 
 
+_ON_THE_HOST = contextlib.nullcontext()  # stateless, so one serves every collective
+
+
 def on_stream(kind: str, device: torch.device) -> contextlib.AbstractContextManager:
     """Run the block on `kind`'s collective stream, after what the compute stream has
     queued so far (see [Note: collectives on their own streams]); on the CPU, as it is."""
     if device.type == "cpu" or device.type == "meta":
-        return contextlib.nullcontext()
+        return _ON_THE_HOST
     module = torch.get_device_module(device.type)
     stream = collective_stream(kind, device)
     stream.wait_stream(module.current_stream(device))

@@ -53,6 +53,7 @@ full-size gradient target (`value_and_grad(reduce=False)`), and the shard gets n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,11 +199,13 @@ def gather(
     source: collectives.Pending | None = None,
     sink: Tensor | None = None,
     deferred: Deferred | None = None,
+    on_backward: Callable[[], None] | None = None,
 ) -> tuple[Tensor, ...]:
     """The parameters of one flat buffer, gathered differentiably (see [Note: one
     differentiable gather]). `source` is an all-gather already issued (`issue_gather`).
     Given `deferred` (the shard behind its wait node, see `Deferred`), the gather reads that
-    instead of `shard`, and its backward may reduce asynchronously.
+    instead of `shard`, and its backward may reduce asynchronously. `on_backward` is called
+    when the gather's backward starts (resharding drops the regathered buffer then).
 
     Communicates: one all-gather over the shard axis (unless `source` is given); backward:
     one reduce-scatter, plus one all-reduce across replicas.
@@ -210,7 +213,7 @@ def gather(
     if deferred is not None:
         deferred.gathers += 1
         shard = deferred.shard
-    return _apply(_Gather, shard, sink, spec, source, deferred)
+    return _apply(_Gather, shard, sink, spec, source, deferred, on_backward)
 
 
 def _apply(function: type[torch.autograd.Function], *args: Any) -> Any:
@@ -222,9 +225,9 @@ def _apply(function: type[torch.autograd.Function], *args: Any) -> Any:
     left over from finished transforms and calls the C++ apply, which this does directly."""
     if torch._C._are_functorch_transforms_active() or torch.compiler.is_dynamo_compiling():
         return function.apply(*args)
-    args = tuple(
-        torch._C._functorch.unwrap_if_dead(a) if isinstance(a, Tensor) else a for a in args
-    )
+    unwrap = torch._C._functorch.unwrap_if_dead
+    args = [unwrap(a) if isinstance(a, Tensor) else a for a in args]  # (a list comprehension:
+    # a generator resumes once per item, and this runs per unit and step)
     return super(torch.autograd.Function, function).apply(*args)
 
 
@@ -244,6 +247,7 @@ class _Gather(torch.autograd.Function):
         spec: GatherSpec,
         source: collectives.Pending | None,
         deferred: Deferred | None,
+        on_backward: Callable[[], None] | None,
     ) -> tuple[Tensor, ...]:
         assert source is not None or deferred is None  # see Deferred
         full = source.wait() if source is not None else _all_gather(shard, spec)
@@ -251,7 +255,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        shard, _, ctx.spec, _, ctx.deferred = inputs
+        shard, _, ctx.spec, _, ctx.deferred, ctx.on_backward = inputs
         ctx.shard_dtype, ctx.shard_device = shard.dtype, shard.device
         ctx.set_materialize_grads(False)
 
@@ -259,6 +263,8 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         spec: GatherSpec = ctx.spec
         chaos.point()
+        if ctx.on_backward is not None:
+            ctx.on_backward()
         if _legacy_batched(grads):
             raise ValueError(
                 f"funcshard: unit {spec.flat.unit!r}: batched gradients through a sharded "
@@ -268,18 +274,19 @@ class _Gather(torch.autograd.Function):
             )
         full = _concat(grads, spec)
         if spec.reduction == "none":
-            return None, _prepared(full, spec), None, None, None
+            return None, _prepared(full, spec), None, None, None, None
         if ctx.deferred is not None and not spec.user_reduce and _may_defer(ctx.deferred):
-            return _THROTTLE.issue(_prepared(full, spec), spec), None, None, None, None
+            return _THROTTLE.issue(_prepared(full, spec), spec), None, None, None, None, None
         grad = reduce(full, spec).to(ctx.shard_device, ctx.shard_dtype)  # offload: to the host
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def _legacy_batched(grads: tuple[Tensor | None, ...]) -> bool:
     """Whether backward runs under `is_grads_batched` (torch's legacy vmap; never traced)."""
     if torch.compiler.is_dynamo_compiling():
         return False
-    return any(g is not None and torch._C._functorch.is_legacy_batchedtensor(g) for g in grads)
+    batched = torch._C._functorch.is_legacy_batchedtensor
+    return any([g is not None and batched(g) for g in grads])
 
 
 def _may_defer(deferred: Deferred) -> bool:

@@ -128,8 +128,12 @@ def param_views(buffer: torch.Tensor, flat: FlatLayout) -> tuple[torch.Tensor, .
     ):
         base = buffer.storage_offset()
         return tuple(
-            buffer.as_strided(shape, stride, base + offset)
-            for shape, stride, offset in zip(flat.shapes, flat.strides, flat.offsets, strict=True)
+            [
+                buffer.as_strided(shape, stride, base + offset)
+                for shape, stride, offset in zip(
+                    flat.shapes, flat.strides, flat.offsets, strict=True
+                )
+            ]
         )
     pieces = buffer.split(flat.split_sizes)  # the padding piece, if any, is left out by zip
     return tuple(p.view(shape) for p, shape in zip(pieces, flat.shapes, strict=False))

@@ -9,14 +9,17 @@ regathers it, from the whole shard group or, with `reshard_after_forward=k`, fro
 slice each rank kept over groups of k ranks, and issues the regather of the unit that ran
 before it in forward (a prefetch); the unit that ran last in forward keeps its buffers
 (`forward_done`), since backward needs it first. The regathered buffers are dropped when
-the unit's gather nodes are about to run (a node pre-hook): by then the unit's backward is
-done, and the gather's backward reads no parameter. torch.func refuses saved-tensor hooks,
+the backward of the unit's gather nodes starts (the gather calls `expect_reduce`'s callback
+first, cheaper than a node pre-hook): by then the unit's backward is done, and the gather's
+backward reads no parameter. torch.func refuses saved-tensor hooks,
 so under its transforms nothing is resharded (see `funcshard.sharded_call`).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,28 +65,29 @@ class Regather:
         self.latest: tuple[int, tuple[Tensor, ...]] | None = None  # the unit that returned
         # last and its gathered buffers, until another unit starts: see `forward_done`
         self.started: set[int] = set()  # units backward has asked for
+        self.weak = weakref.ref(self)  # what the graph holds: it must not keep the run's
+        # buffers alive
 
-    def track(self, unit: int, flat_index: int, full: Tensor, views: tuple[Tensor, ...]) -> None:
+    def expect_reduce(self, unit: int) -> Callable[[], None]:
+        """Count one more gather node of `unit`; return what that node's backward calls
+        first. Once every gather node of the unit has run, its backward is done and its
+        regathered buffers are dropped."""
+        self.unfinished[unit] = self.unfinished.get(unit, 0) + 1
+        return functools.partial(_gather_node_ran, self.weak, unit)
+
+    def track(self, unit: int, flat_index: int, full: Tensor) -> None:
         """Recognize `full` (a gathered buffer of `unit`) in `pack`, unless the unit stays
-        gathered for the whole call, and drop the unit's regathered buffers once its gather
-        nodes run in backward."""
+        gathered for the whole call."""
         run = self.run
         if unit not in run.binding.whole_call:
             position = run.binding.unit_flats[unit].index(flat_index)
             self.owner_of[id(full)] = (unit, position, run.specs[flat_index].gather_dtype)
-        regather = weakref.ref(self)  # the graph must not keep the run's buffers alive
-        self.unfinished[unit] = self.unfinished.get(unit, 0) + 1
 
-        def reduced(grads: object) -> None:
-            chaos.point()
-            alive = regather()
-            if alive is not None:
-                alive.unfinished[unit] -= 1
-                if alive.unfinished[unit] == 0:
-                    alive.finished.add(unit)
-                    alive.full.pop(unit, None)
-
-        views[0].grad_fn.register_prehook(reduced)
+    def gather_node_ran(self, unit: int) -> None:
+        self.unfinished[unit] -= 1
+        if self.unfinished[unit] == 0:
+            self.finished.add(unit)
+            self.full.pop(unit, None)
 
     def release(self, unit: int, fulls: tuple[Tensor | None, ...]) -> None:
         """A unit's module returned: keep this rank's 1/k slices (resharding to k), and stop
@@ -114,7 +118,6 @@ class Regather:
                 self.full[unit] = fulls
 
     def pack(self, tensor: Tensor) -> Any:
-        chaos.point()
         base = tensor._base
         owner = self.owner_of.get(id(tensor) if base is None else id(base))
         if owner is None or tensor.dtype != owner[2]:  # not a resharded unit's parameter
@@ -124,7 +127,6 @@ class Regather:
         return _Handle(owner[0], owner[1], tensor)
 
     def unpack(self, packed: Any) -> Tensor:
-        chaos.point()
         if not isinstance(packed, _Handle):
             return packed
         flat = self.gathered(packed.unit)[packed.position]
@@ -174,4 +176,16 @@ class Regather:
         return earlier
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The saved-tensor hooks of the call: chaos points in them only under chaos (they
+        run for every tensor autograd saves, two dozen per GPT block)."""
+        if chaos.active():
+            return torch.autograd.graph.saved_tensors_hooks(
+                chaos.at_point(self.pack), chaos.at_point(self.unpack)
+            )
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _gather_node_ran(regather: weakref.ref[Regather], unit: int) -> None:
+    alive = regather()
+    if alive is not None:
+        alive.gather_node_ran(unit)

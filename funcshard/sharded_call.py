@@ -60,7 +60,16 @@ import torch
 from torch import Tensor, nn
 
 from funcshard import chaos, collectives, compiled, gather, recompute
-from funcshard.binding import Binding, Slot, bind, get_slot, restore_slots, save_slots, set_slot
+from funcshard.binding import (
+    Binding,
+    Slot,
+    bind,
+    get_slot,
+    restore_slots,
+    restore_stores,
+    set_slot,
+    snapshot_stores,
+)
 from funcshard.comm import Comm
 from funcshard.layout import param_views
 from funcshard.module import call as call_on_dict
@@ -172,9 +181,9 @@ class _Run:
         (under torch.func each is gathered inside its op instead: no prefetch)."""
         if self.full[unit] is not None or unit in self.pending or self.functorch:
             return
+        shards, specs = self.state.shards, self.specs
         self.pending[unit] = tuple(
-            gather.issue_gather(self.state.shards[i], self.specs[i])
-            for i in self.binding.unit_flats[unit]
+            [gather.issue_gather(shards[i], specs[i]) for i in self.binding.unit_flats[unit]]
         )
 
     def start(self) -> None:
@@ -203,12 +212,15 @@ class _Run:
             sources = self.pending.pop(unit, (None,) * len(flats))
         params: list[Tensor] = []
         new_fulls = []
+        regather = self.regather
         for i, source in zip(flats, sources, strict=True):
             differentiable = self.differentiable[i] and grad
-            views = self._gather(i, source, differentiable)
+            tracked = regather is not None and differentiable
+            on_backward = regather.expect_reduce(unit) if tracked else None
+            views = self._gather(i, source, differentiable, on_backward)
             full = gather.gathered_buffer(views)
-            if self.regather is not None and differentiable and full is not None:
-                self.regather.track(unit, i, full, views)
+            if tracked and full is not None:
+                regather.track(unit, i, full)
             params.extend(views)
             new_fulls.append(full)
         self.full[unit] = tuple(new_fulls)
@@ -217,12 +229,16 @@ class _Run:
         return self.params[unit]
 
     def _gather(
-        self, i: int, source: collectives.Pending | None, differentiable: bool
+        self,
+        i: int,
+        source: collectives.Pending | None,
+        differentiable: bool,
+        on_backward: Callable[[], None] | None,
     ) -> tuple[Tensor, ...]:
         spec = self.specs[i]
         if differentiable:
             shard = self.state.shards[i]
-            return gather.gather(shard, spec, source, self.sinks[i], self.deferred[i])
+            return gather.gather(shard, spec, source, self.sinks[i], self.deferred[i], on_backward)
         if source is None:
             source = gather.issue_gather(self.state.shards[i], spec)
         return param_views(source.wait(), spec.flat)
@@ -263,7 +279,8 @@ class _Run:
         self._swap_in(unit, params)
 
     def differentiates(self, unit: int) -> bool:
-        return any(self.differentiable[i] for i in self.binding.unit_flats[unit])
+        differentiable = self.differentiable
+        return any([differentiable[i] for i in self.binding.unit_flats[unit]])
 
     def leave(self, unit: int) -> None:
         """A unit's module has run: release its parameters until backward needs them."""
@@ -286,8 +303,8 @@ class _Run:
 
     def _swap_out(self, unit: int) -> None:
         """Put meta placeholders in a unit's slots: a use outside its forward fails loudly."""
-        for slot, _, placeholder in self.binding.param_slots[unit]:
-            slot.module._parameters[slot.attr] = placeholder
+        for module, placeholders in self.binding.unit_placeholders[unit]:
+            module._parameters.update(placeholders)
 
     def recompute_params(self, unit: int) -> tuple[Tensor, ...]:
         """A unit's parameters for a recomputation in backward, regathered if the unit was
@@ -493,7 +510,7 @@ def _eager_call(
         k: v.clone() for k, v in (buffers if buffers is not None else state.buffers).items()
     }
     args, kwargs = cast_inputs(state.mp, args, kwargs)
-    originals = save_slots(binding)
+    originals = snapshot_stores(binding)
     hooks = _install_hooks(binding, run)
     try:
         for slot, fqn in binding.replicated_slots:
@@ -516,7 +533,7 @@ def _eager_call(
     finally:
         for handle in hooks:
             handle.remove()
-        restore_slots(originals)
+        restore_stores(originals)
         run.drain()
     run.after_call()
     out = cast_outputs(state.mp, out)
