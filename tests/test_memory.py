@@ -64,6 +64,28 @@ def test_without_prefetch_one_block_at_a_time_is_gathered():
     assert [r["gathered"] for r in results] == [2, 2]  # root + one block
 
 
+def _step_gathered(rank: int) -> int:
+    """How many all-gathered buffers were alive at once over a whole step, backward too."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    state = fs.shard(
+        model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
+    )
+    x, y = _tokens(rank)
+    step = fs.value_and_grad(
+        lambda s: F.cross_entropy(fs.call(model, s, x).flatten(0, 1), y.flatten())
+    )
+    with LiveTensors(watch=is_all_gather) as mode:
+        step(state)
+    return mode.peak_watched
+
+
+def test_backward_drops_each_regathered_block_once_its_gradient_is_reduced():
+    # the root, the block whose backward runs and the one regathered ahead of it; a block's
+    # regathered buffer goes when its gather node runs (kept to the end, all 8 would pile up)
+    assert testing.run(_step_gathered, world_size=2) == [3, 3]
+
+
 def _live_tensor_bytes() -> int:
     """Bytes of every real tensor alive in this process (not subclasses such as the fake
     tensors a compile on this worker may have left for the collector)."""
