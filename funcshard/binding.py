@@ -43,9 +43,11 @@ class Binding:
     relinks: tuple[tuple[nn.Module, tuple[int, ...]], ...]  # (module, the whole-call units
     # owning a slot in it): where each such unit is first used (see `_Run.relink`)
     relinked_units: frozenset[str]  # the names of the units in `relinks`
-    unit_placeholders: tuple[tuple[tuple[nn.Module, dict[str, Tensor]], ...], ...]  # per
-    # unit: (module, {attr: meta placeholder}) for each module holding its parameter slots
-    slot_modules: tuple[nn.Module, ...]  # every module holding a slot, once
+    unit_placeholders: tuple[tuple[tuple[nn.Module, tuple[tuple[str, Tensor], ...]], ...], ...]
+    # per unit: (module, its slots' (attr, meta placeholder) pairs) for each module holding
+    # the unit's parameter slots
+    slot_attrs: tuple[tuple[nn.Module, tuple[str, ...], tuple[str, ...]], ...]  # (module,
+    # its parameter slots' attrs, its buffer slots' attrs) for each module holding a slot
     units_under: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False)
     # module id -> the units owning a parameter slot under it (filled on first recompute)
 
@@ -131,8 +133,8 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
                 if unit not in entry[1]:
                     entry[1].append(unit)
     unit_placeholders = tuple(_placeholders_by_module(slots) for slots in param_slots)
-    slot_modules = {id(s.module): s.module for unit in param_slots for s, _, _ in unit}
-    slot_modules.update((id(s.module), s.module) for s, _ in (*replicated, *buffer_slots))
+    every_slot = [s for unit in param_slots for s, _, _ in unit]
+    every_slot += [s for s, _ in (*replicated, *buffer_slots)]
     return Binding(
         layout=layout,
         unit_names=units,
@@ -147,17 +149,27 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         relinks=tuple((module, tuple(units)) for module, units in relinks.values()),
         relinked_units=frozenset(units[u] for _, us in relinks.values() for u in us),
         unit_placeholders=unit_placeholders,
-        slot_modules=tuple(slot_modules.values()),
+        slot_attrs=_attrs_by_module(every_slot),
     )
 
 
 def _placeholders_by_module(
     slots: tuple[tuple[Slot, int, Tensor], ...],
-) -> tuple[tuple[nn.Module, dict[str, Tensor]], ...]:
-    by_module: dict[int, tuple[nn.Module, dict[str, Tensor]]] = {}
+) -> tuple[tuple[nn.Module, tuple[tuple[str, Tensor], ...]], ...]:
+    by_module: dict[int, tuple[nn.Module, list[tuple[str, Tensor]]]] = {}
     for slot, _, placeholder in slots:
-        by_module.setdefault(id(slot.module), (slot.module, {}))[1][slot.attr] = placeholder
-    return tuple(by_module.values())
+        by_module.setdefault(id(slot.module), (slot.module, []))[1].append((slot.attr, placeholder))
+    return tuple((module, tuple(pairs)) for module, pairs in by_module.values())
+
+
+def _attrs_by_module(
+    slots: list[Slot],
+) -> tuple[tuple[nn.Module, tuple[str, ...], tuple[str, ...]], ...]:
+    by_module: dict[int, tuple[nn.Module, list[str], list[str]]] = {}
+    for slot in slots:
+        _, params, buffers = by_module.setdefault(id(slot.module), (slot.module, [], []))
+        (params if slot.is_param else buffers).append(slot.attr)
+    return tuple((m, tuple(params), tuple(buffers)) for m, params, buffers in by_module.values())
 
 
 def has_forward(module: nn.Module) -> bool:
@@ -225,19 +237,27 @@ def restore_slots(saved: list[tuple[Slot, Tensor]]) -> None:
         set_slot(slot, tensor)
 
 
-Snapshot = list[tuple[dict[str, Any], dict[str, Any]]]
+Snapshot = list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]
 
 
-def snapshot_stores(binding: Binding) -> Snapshot:
-    """What every slot of the model holds now, as copies of the parameter and buffer dicts
-    of the modules holding slots: one C-level copy per module rather than a Python call per
-    slot (a call runs this once per step, over every slot of the model)."""
-    stores = [m._parameters for m in binding.slot_modules]
-    stores += [m._buffers for m in binding.slot_modules]
-    return [(store, dict(store)) for store in stores]
+def snapshot_slots(binding: Binding) -> Snapshot:
+    """What every slot of the model holds now, like `save_slots`, gathered per module (one
+    dict of its parameter slots and one of its buffer slots): a call runs this over every
+    slot of the model each step, and a comprehension per module costs less than a Python
+    call per slot."""
+    return [
+        (
+            module,
+            {attr: module._parameters[attr] for attr in params},
+            {attr: module._buffers[attr] for attr in buffers},
+        )
+        for module, params, buffers in binding.slot_attrs
+    ]
 
 
-def restore_stores(snapshot: Snapshot) -> None:
-    """Put back what `snapshot_stores` saw (entries added since stay)."""
-    for store, saved in snapshot:
-        store.update(saved)
+def restore_snapshot(snapshot: Snapshot) -> None:
+    """Put back what `snapshot_slots` saw (the slots only, as `restore_slots` does)."""
+    for module, params, buffers in snapshot:
+        module._parameters.update(params)
+        if buffers:
+            module._buffers.update(buffers)

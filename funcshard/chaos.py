@@ -8,7 +8,10 @@ decides when objects die, when weak references clear and when an `id()` is reuse
 makes those differ between ranks on purpose: at each `point`, a rank sleeps a random few
 milliseconds and sometimes runs `gc.collect()`, drawn from a generator seeded by the seed and
 the rank, so a failing run repeats. Tests turn it on with `funcshard.testing.chaos(seed)`, a
-job with `FUNCSHARD_CHAOS=<seed>`; off, a point costs one global lookup.
+job with `FUNCSHARD_CHAOS=<seed>`; off, a point costs one global lookup. The saved-tensor
+hooks of a resharding call, which run for every tensor autograd saves, get their points
+only when chaos is on as the call starts (`at_point`): a chaos block must cover the call's
+forward, not its backward alone.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ regathers it, from the whole shard group or, with `reshard_after_forward=k`, fro
 slice each rank kept over groups of k ranks, and issues the regather of the unit that ran
 before it in forward (a prefetch); the unit that ran last in forward keeps its buffers
 (`forward_done`), since backward needs it first. The regathered buffers are dropped when
-the backward of the unit's gather nodes starts (the gather calls `expect_reduce`'s callback
-first, cheaper than a node pre-hook): by then the unit's backward is done, and the gather's
-backward reads no parameter. torch.func refuses saved-tensor hooks,
-so under its transforms nothing is resharded (see `funcshard.sharded_call`).
+the backward of the unit's gather nodes starts (each gather calls the callback `on_backward`
+gave it, cheaper than a node pre-hook): by then the unit's backward is done, and the
+gather's backward reads no parameter. torch.func refuses saved-tensor hooks, so under its
+transforms nothing is resharded (see `funcshard.sharded_call`).
 """
 
 from __future__ import annotations
@@ -68,22 +68,23 @@ class Regather:
         self.weak = weakref.ref(self)  # what the graph holds: it must not keep the run's
         # buffers alive
 
-    def expect_reduce(self, unit: int) -> Callable[[], None]:
-        """Count one more gather node of `unit`; return what that node's backward calls
-        first. Once every gather node of the unit has run, its backward is done and its
-        regathered buffers are dropped."""
-        self.unfinished[unit] = self.unfinished.get(unit, 0) + 1
+    def on_backward(self, unit: int) -> Callable[[], None]:
+        """What the backward of a gather node of `unit` calls first (see `gather_node_ran`);
+        it holds the bookkeeping weakly, so the graph keeps no buffer of the run alive."""
         return functools.partial(_gather_node_ran, self.weak, unit)
 
-    def track(self, unit: int, flat_index: int, full: Tensor) -> None:
-        """Recognize `full` (a gathered buffer of `unit`) in `pack`, unless the unit stays
-        gathered for the whole call."""
+    def track(self, unit: int, flat_index: int, full: Tensor | None) -> None:
+        """Count a gather node of `unit` just made (with `on_backward`), and recognize its
+        gathered buffer `full` in `pack` unless the unit stays gathered for the whole call."""
+        self.unfinished[unit] = self.unfinished.get(unit, 0) + 1
         run = self.run
-        if unit not in run.binding.whole_call:
+        if full is not None and unit not in run.binding.whole_call:
             position = run.binding.unit_flats[unit].index(flat_index)
             self.owner_of[id(full)] = (unit, position, run.specs[flat_index].gather_dtype)
 
     def gather_node_ran(self, unit: int) -> None:
+        """A gather node of `unit` starts its backward: once all of the unit's have, the
+        unit's backward is done, and its regathered buffers are dropped."""
         self.unfinished[unit] -= 1
         if self.unfinished[unit] == 0:
             self.finished.add(unit)
@@ -186,6 +187,7 @@ class Regather:
 
 
 def _gather_node_ran(regather: weakref.ref[Regather], unit: int) -> None:
+    """`Regather.gather_node_ran`, if the call's bookkeeping is still alive."""
     alive = regather()
     if alive is not None:
         alive.gather_node_ran(unit)

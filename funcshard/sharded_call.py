@@ -66,9 +66,9 @@ from funcshard.binding import (
     bind,
     get_slot,
     restore_slots,
-    restore_stores,
+    restore_snapshot,
     set_slot,
-    snapshot_stores,
+    snapshot_slots,
 )
 from funcshard.comm import Comm
 from funcshard.layout import param_views
@@ -216,10 +216,10 @@ class _Run:
         for i, source in zip(flats, sources, strict=True):
             differentiable = self.differentiable[i] and grad
             tracked = regather is not None and differentiable
-            on_backward = regather.expect_reduce(unit) if tracked else None
+            on_backward = regather.on_backward(unit) if tracked else None
             views = self._gather(i, source, differentiable, on_backward)
             full = gather.gathered_buffer(views)
-            if tracked and full is not None:
+            if tracked:
                 regather.track(unit, i, full)
             params.extend(views)
             new_fulls.append(full)
@@ -510,7 +510,7 @@ def _eager_call(
         k: v.clone() for k, v in (buffers if buffers is not None else state.buffers).items()
     }
     args, kwargs = cast_inputs(state.mp, args, kwargs)
-    originals = snapshot_stores(binding)
+    originals = snapshot_slots(binding)
     hooks = _install_hooks(binding, run)
     try:
         for slot, fqn in binding.replicated_slots:
@@ -533,7 +533,7 @@ def _eager_call(
     finally:
         for handle in hooks:
             handle.remove()
-        restore_stores(originals)
+        restore_snapshot(originals)
         run.drain()
     run.after_call()
     out = cast_outputs(state.mp, out)

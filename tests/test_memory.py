@@ -80,7 +80,7 @@ def _step_gathered(rank: int) -> int:
     return mode.peak_watched
 
 
-def test_backward_drops_each_regathered_block_once_its_gradient_is_reduced():
+def test_backward_drops_each_regathered_block_once_its_gather_node_runs():
     # the root, the block whose backward runs and the one regathered ahead of it; a block's
     # regathered buffer goes when its gather node runs (kept to the end, all 8 would pile up)
     assert testing.run(_step_gathered, world_size=2) == [3, 3]

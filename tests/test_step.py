@@ -182,6 +182,40 @@ def test_call_on_a_state_runs_other_methods():
     assert all(testing.run(_generate, world_size=2))
 
 
+class _CountingBlock(Block):
+    """A block that counts its calls in a buffer it registers, on its first forward, beside
+    the parameters of its first norm: outside any state funcshard knows of."""
+
+    def forward(self, x):
+        if not hasattr(self.ln1, "calls"):
+            self.ln1.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.ln1.calls = self.ln1.calls + 1
+        return super().forward(x)
+
+
+def _slots_after_calls(rank: int) -> dict:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2))
+    model.blocks[1] = _CountingBlock(model.cfg)
+    before = {n: p for n, p in model.named_parameters()}
+    before_buffers = {n: b for n, b in model.named_buffers()}
+    state = fs.shard(model, fs.plan(model, policy=BLOCKS), fs.Mesh(shard=2))
+    x, _ = random_tokens(model.cfg, 2, seed=rank)
+    for _ in range(3):
+        fs.value_and_grad(lambda s: fs.call(model, s, x).sum())(state)
+    return {
+        "params": all(p is before[n] for n, p in model.named_parameters()),
+        "buffers": all(model.get_buffer(n) is b for n, b in before_buffers.items()),
+        "calls": int(model.blocks[1].ln1.calls),
+    }
+
+
+def test_a_call_puts_back_every_slot_and_leaves_the_forwards_own_buffers_alone():
+    for r in testing.run(_slots_after_calls, world_size=2):
+        assert r["params"] and r["buffers"], r
+        assert r["calls"] == 3, r  # kept from call to call: funcshard puts back only its slots
+
+
 def _wrong_model(rank: int) -> None:
     torch.manual_seed(0)
     model = GPT()
