@@ -22,13 +22,18 @@ def _tokens(rank: int):
     return t[:, :-1], t[:, 1:]
 
 
-def _forward_memory(prefetch: bool, rank: int) -> dict:
+def _sharded_gpt(rank: int) -> tuple:
+    """The seeded GPT, sharded by block over 2 ranks, and this rank's tokens."""
     torch.manual_seed(0)
     model = GPT(CFG)
     state = fs.shard(
         model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
     )
-    x, y = _tokens(rank)
+    return model, state, *_tokens(rank)
+
+
+def _forward_memory(prefetch: bool, rank: int) -> dict:
+    model, state, x, y = _sharded_gpt(rank)
     forward = {}
 
     def loss_fn(s):
@@ -66,12 +71,7 @@ def test_without_prefetch_one_block_at_a_time_is_gathered():
 
 def _step_gathered(rank: int) -> int:
     """How many all-gathered buffers were alive at once over a whole step, backward too."""
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    state = fs.shard(
-        model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
-    )
-    x, y = _tokens(rank)
+    model, state, x, y = _sharded_gpt(rank)
     step = fs.value_and_grad(
         lambda s: F.cross_entropy(fs.call(model, s, x).flatten(0, 1), y.flatten())
     )
@@ -137,12 +137,7 @@ def test_live_tensor_bytes_stay_flat_across_steps(replicate):
 def _runs_left(rank: int) -> list:
     from funcshard import sharded_call
 
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    state = fs.shard(
-        model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
-    )
-    x, y = _tokens(rank)
+    model, state, x, y = _sharded_gpt(rank)
     left = []
     gc.disable()
     try:
