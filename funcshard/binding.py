@@ -5,14 +5,18 @@ layout, cached)."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from funcshard.layout import Layout
 from funcshard.tree import format_names, join_fqn
+
+T = TypeVar("T")
+ByModule = tuple[tuple[nn.Module, tuple[T, ...]], ...]  # (module, its items), once per module
 
 
 @dataclass(frozen=True)
@@ -43,11 +47,10 @@ class Binding:
     relinks: tuple[tuple[nn.Module, tuple[int, ...]], ...]  # (module, the whole-call units
     # owning a slot in it): where each such unit is first used (see `_Run.relink`)
     relinked_units: frozenset[str]  # the names of the units in `relinks`
-    unit_placeholders: tuple[tuple[tuple[nn.Module, tuple[tuple[str, Tensor], ...]], ...], ...]
-    # per unit: (module, its slots' (attr, meta placeholder) pairs) for each module holding
-    # the unit's parameter slots
-    slot_attrs: tuple[tuple[nn.Module, tuple[str, ...], tuple[str, ...]], ...]  # (module,
-    # its parameter slots' attrs, its buffer slots' attrs) for each module holding a slot
+    unit_placeholders: tuple[ByModule[tuple[str, Tensor]], ...]  # per unit: (attr, meta
+    # placeholder) of its parameter slots, by module
+    param_attrs: ByModule[str]  # the attrs of every parameter slot (replicated ones too)
+    buffer_attrs: ByModule[str]  # and of every buffer slot, by module
     units_under: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False)
     # module id -> the units owning a parameter slot under it (filled on first recompute)
 
@@ -132,7 +135,6 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
                 entry = relinks.setdefault(id(slot.module), (slot.module, []))
                 if unit not in entry[1]:
                     entry[1].append(unit)
-    unit_placeholders = tuple(_placeholders_by_module(slots) for slots in param_slots)
     every_slot = [s for unit in param_slots for s, _, _ in unit]
     every_slot += [s for s, _ in (*replicated, *buffer_slots)]
     return Binding(
@@ -148,28 +150,21 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         module_ids=frozenset(id(m) for m in model.modules()),
         relinks=tuple((module, tuple(units)) for module, units in relinks.values()),
         relinked_units=frozenset(units[u] for _, us in relinks.values() for u in us),
-        unit_placeholders=unit_placeholders,
-        slot_attrs=_attrs_by_module(every_slot),
+        unit_placeholders=tuple(
+            _by_module((s.module, (s.attr, placeholder)) for s, _, placeholder in slots)
+            for slots in param_slots
+        ),
+        param_attrs=_by_module((s.module, s.attr) for s in every_slot if s.is_param),
+        buffer_attrs=_by_module((s.module, s.attr) for s in every_slot if not s.is_param),
     )
 
 
-def _placeholders_by_module(
-    slots: tuple[tuple[Slot, int, Tensor], ...],
-) -> tuple[tuple[nn.Module, tuple[tuple[str, Tensor], ...]], ...]:
-    by_module: dict[int, tuple[nn.Module, list[tuple[str, Tensor]]]] = {}
-    for slot, _, placeholder in slots:
-        by_module.setdefault(id(slot.module), (slot.module, []))[1].append((slot.attr, placeholder))
-    return tuple((module, tuple(pairs)) for module, pairs in by_module.values())
-
-
-def _attrs_by_module(
-    slots: list[Slot],
-) -> tuple[tuple[nn.Module, tuple[str, ...], tuple[str, ...]], ...]:
-    by_module: dict[int, tuple[nn.Module, list[str], list[str]]] = {}
-    for slot in slots:
-        _, params, buffers = by_module.setdefault(id(slot.module), (slot.module, [], []))
-        (params if slot.is_param else buffers).append(slot.attr)
-    return tuple((m, tuple(params), tuple(buffers)) for m, params, buffers in by_module.values())
+def _by_module(items: Iterable[tuple[nn.Module, T]]) -> ByModule[T]:
+    """`items` grouped by their module, modules in the order first seen."""
+    groups: dict[int, tuple[nn.Module, list[T]]] = {}
+    for module, item in items:
+        groups.setdefault(id(module), (module, []))[1].append(item)
+    return tuple((module, tuple(group)) for module, group in groups.values())
 
 
 def has_forward(module: nn.Module) -> bool:
@@ -224,40 +219,31 @@ def get_slot(slot: Slot) -> Tensor:
     return store[slot.attr]
 
 
-def save_slots(binding: Binding) -> list[tuple[Slot, Tensor]]:
-    """What every slot of the model holds now (to put back after a call)."""
-    slots = [slot for unit in binding.param_slots for slot, _, _ in unit]
-    slots += [s for s, _ in binding.replicated_slots] + [s for s, _ in binding.buffer_slots]
-    return [(slot, get_slot(slot)) for slot in slots]
-
-
 def restore_slots(saved: list[tuple[Slot, Tensor]]) -> None:
-    """Put back what `save_slots` saw."""
+    """Put back what a list of (slot, what it held) says."""
     for slot, tensor in saved:
         set_slot(slot, tensor)
 
 
-Snapshot = list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]
+Saved = list[tuple[nn.Module, dict[str, Tensor]]]  # (module, what some of its slots hold)
+Snapshot = tuple[Saved, Saved]  # parameter slots, buffer slots
 
 
 def snapshot_slots(binding: Binding) -> Snapshot:
-    """What every slot of the model holds now, like `save_slots`, gathered per module (one
-    dict of its parameter slots and one of its buffer slots): a call runs this over every
+    """What every slot of the model holds now (to put back after a call), per module: one
+    dict of its parameter slots and one of its buffer slots. A call runs this over every
     slot of the model each step, and a comprehension per module costs less than a Python
     call per slot."""
-    return [
-        (
-            module,
-            {attr: module._parameters[attr] for attr in params},
-            {attr: module._buffers[attr] for attr in buffers},
-        )
-        for module, params, buffers in binding.slot_attrs
-    ]
+    params = [(m, {a: m._parameters[a] for a in attrs}) for m, attrs in binding.param_attrs]
+    buffers = [(m, {a: m._buffers[a] for a in attrs}) for m, attrs in binding.buffer_attrs]
+    return params, buffers
 
 
 def restore_snapshot(snapshot: Snapshot) -> None:
-    """Put back what `snapshot_slots` saw (the slots only, as `restore_slots` does)."""
-    for module, params, buffers in snapshot:
-        module._parameters.update(params)
-        if buffers:
-            module._buffers.update(buffers)
+    """Put back what `snapshot_slots` saw: the slots only (a module's other entries, e.g. a
+    buffer its forward registered, stay as they are)."""
+    params, buffers = snapshot
+    for module, saved in params:
+        module._parameters.update(saved)
+    for module, saved in buffers:
+        module._buffers.update(saved)

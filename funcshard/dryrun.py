@@ -42,7 +42,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from funcshard.binding import bind, restore_slots, save_slots
+from funcshard.binding import bind, restore_snapshot, snapshot_slots
 from funcshard.layout import Layout
 from funcshard.meta_step import MetaStep
 from funcshard.metabytes import DeviceKernels, MetaBytes
@@ -81,7 +81,7 @@ def run_step(
 ) -> Phases:
     """Run one step of `spec` on meta tensors; the most bytes alive in each phase."""
     binding = bind(model, layout)
-    originals = save_slots(binding)
+    originals = snapshot_slots(binding)
     args, kwargs = _to_meta((spec.args, dict(spec.kwargs)))  # the batch is not counted
     placeholders = _placeholders(layout)
     try:
@@ -123,7 +123,7 @@ def run_step(
             backward = live.restart_peak()
             optimizer = optimizer_phase(live, held, spec.optimizer, spec.donate, spec.loop)
     finally:
-        restore_slots(originals)
+        restore_snapshot(originals)
     return Phases(forward, backward, optimizer)
 
 
