@@ -319,9 +319,14 @@ class _Run:
                 for i, flat in zip(self.binding.unit_flats[unit], flats, strict=True)
                 for param in param_views(flat, self.layout.flats[i])
             )
-        flats = self.binding.unit_flats[unit]
-        trainable = any(not self.layout.flats[i].frozen for i in flats)
-        return tuple(p.detach().requires_grad_(trainable) for p in params)
+        # per flat buffer, not per unit: the frozen members of a frozen="split" unit did not
+        # require grad in the first forward, so autograd saved other tensors around them
+        requires = [
+            self.differentiable[i]
+            for i in self.binding.unit_flats[unit]
+            for _ in self.layout.flats[i].fqns
+        ]
+        return tuple(p.detach().requires_grad_(r) for p, r in zip(params, requires, strict=True))
 
     def drain(self) -> None:
         """Wait for gathers nobody used (a prefetch past the last unit): every rank issued them."""
