@@ -115,14 +115,15 @@ def skip(fn: PerModule | WholeModel | None = None) -> Skip:
 Init = PerModule | WholeModel | Skip | str | None
 
 
-def check_init(init: Init) -> Init:
-    """`init` as materialize takes it ("skip" becomes `Skip()`), or a TypeError saying what fits."""
+def check_init(init: Init, where: str = "funcshard.shard") -> Init:
+    """`init` as materialize takes it ("skip" becomes `Skip()`), or a TypeError saying what
+    fits, raised as `where` (the public call that was given `init`)."""
     if init == "skip":
         return Skip()
     if init is None or callable(init) or isinstance(init, WholeModel | Skip):
         return init
     raise TypeError(
-        f"funcshard.shard: init must be a function called with each module, "
+        f"{where}: init must be a function called with each module, "
         f"fs.whole_model(fn), fs.skip(fn), 'skip', or None, got {init!r}."
     )
 
@@ -175,12 +176,14 @@ def materialize(
     seed: int,
     device: torch.device,
     init: Init = None,
+    where: str = "funcshard.shard",
 ) -> tuple[list[Tensor], dict[str, Tensor], dict[str, Tensor]]:
     """Initialize a meta model per [Note: initializing from the meta device].
 
-    Returns this rank's shards (in layout order), the replicated parameters and the buffers.
+    Returns this rank's shards (in layout order), the replicated parameters and the buffers;
+    errors name `where`, the public call that asked for them.
     """
-    init = check_init(init)
+    init = check_init(init, where)
     work = copy.deepcopy(model)
     init = _on_copy(init, model, work)
     collected = _Collected(layout, shard_rank)
@@ -198,30 +201,31 @@ def materialize(
             _put_real(work, collected.put)
             _init_by_reset_methods(work, device, collected.put, uninitialized)
     if uninitialized:
-        raise StillOnMeta(_still_on_meta_message(uninitialized, init))
+        raise StillOnMeta(_still_on_meta_message(uninitialized, init, where))
     return collected.result(work)
 
 
-def _still_on_meta_message(uninitialized: list[str], init: Init) -> str:
+def _still_on_meta_message(uninitialized: list[str], init: Init, where: str) -> str:
     names = format_names(uninitialized, limit=20)
+    call = where.removeprefix("funcshard.")
     if isinstance(init, Skip):
         return (
-            f"funcshard.shard(init=skip): these non-persistent buffers are in no checkpoint and "
+            f"{where}(init=skip): these non-persistent buffers are in no checkpoint and "
             f"nothing computed them: {names}. Pass the model's own initialization, "
             f"init=fs.skip(fn) (a transformers model: init=fs.skip(model._init_weights)), or "
             f"define reset_buffers() on their modules."
         )
     if isinstance(init, WholeModel):
         return (
-            f"funcshard.shard: these tensors are still on the meta device after "
+            f"{where}: these tensors are still on the meta device after "
             f"{_name(init.fn)}(model) ran: {names}. Make that call initialize them, or pass a "
             f"function called with each module instead: init=fn."
         )
     return (
-        f"funcshard.shard: these tensors are still on the meta device after initialization: "
+        f"{where}: these tensors are still on the meta device after initialization: "
         f"{names}. Their modules define no reset_parameters() (for parameters and persistent "
         f"buffers) or reset_buffers() (for computed buffers such as rotary frequencies) that "
-        f"writes them. Define one, pass the model's own initialization as shard(..., init=fn), "
+        f"writes them. Define one, pass the model's own initialization as {call}(..., init=fn), "
         f"called with each module (a transformers model: init=model._init_weights), or "
         f"init=fs.whole_model(fn) for one call on the whole model (torchtitan: "
         f"init=fs.whole_model(model.init_weights)), or build the model on a real device."

@@ -58,11 +58,29 @@ def shard(
     naming the first differing parameter, if the ranks disagree), then a broadcast of each
     buffer from the mesh's first rank.
     """
+    return shard_as(
+        "funcshard.shard", model, plan, mesh, mp, reshard_after_forward, offload, seed, init
+    )
+
+
+def shard_as(
+    where: str,
+    model: nn.Module,
+    plan: Plan,
+    mesh: Mesh,
+    mp: MixedPrecision | None,
+    reshard_after_forward: bool | int,
+    offload: bool,
+    seed: int,
+    init: Init,
+) -> ShardedState:
+    """`shard`, with errors that name `where`, the public call that asked for it (`shard`
+    or `replicate`), so their advice fits the call the user made."""
     _check_reshard_after_forward(reshard_after_forward, mesh)
-    init = check_init(init)
+    init = check_init(init, where)
     if mp is not None and not isinstance(mp, MixedPrecision):
-        raise TypeError(f"funcshard.shard: mp must be a MixedPrecision or None, got {mp!r}.")
-    _check_same_model_everywhere(model, plan, mesh)
+        raise TypeError(f"{where}: mp must be a MixedPrecision or None, got {mp!r}.")
+    _check_same_model_everywhere(model, plan, mesh, where)
     layout = dataclasses.replace(
         layout_of(plan, mesh),
         state_dict_keys=tuple(model.state_dict(keep_vars=True)),
@@ -72,10 +90,10 @@ def shard(
     on_meta = any(p.is_meta for p in params.values()) or any(b.is_meta for b in model.buffers())
     if on_meta:
         shards, replicated, buffers = materialize(
-            model, layout, mesh.shard_rank, seed, mesh.device, init
+            model, layout, mesh.shard_rank, seed, mesh.device, init, where
         )
     else:
-        _check_same_values_everywhere(params, layout, mesh)
+        _check_same_values_everywhere(params, layout, mesh, where)
         where = torch.device("cpu") if offload else mesh.device  # offload: never whole on a GPU
         shards = [
             local_slice([params[f].to(where) for f in flat.fqns], flat, mesh.shard_rank)
@@ -455,7 +473,7 @@ def _model_problems(model: nn.Module, plan: Plan) -> str:
     return ""
 
 
-def _check_same_model_everywhere(model: nn.Module, plan: Plan, mesh: Mesh) -> None:
+def _check_same_model_everywhere(model: nn.Module, plan: Plan, mesh: Mesh, where: str) -> None:
     """Raise on every rank if any rank's model or plan differs (one small all-gather)."""
     problem = _model_problems(model, plan)
     fingerprint = int(plan.fingerprint()[:15], 16)
@@ -470,8 +488,8 @@ def _check_same_model_everywhere(model: nn.Module, plan: Plan, mesh: Mesh) -> No
     reports = collectives.all_gather_object((problem, described), mesh.group)
     for rank, (text, _) in enumerate(reports):
         if text:
-            raise ValueError(f"funcshard.shard: on rank {rank}: {text}")
-    raise ValueError(f"funcshard.shard: ranks disagree on the model: {_first_difference(reports)}")
+            raise ValueError(f"{where}: on rank {rank}: {text}")
+    raise ValueError(f"{where}: ranks disagree on the model: {_first_difference(reports)}")
 
 
 def _checksum(tensor: Tensor) -> tuple[int, int]:
@@ -488,7 +506,9 @@ def _checksum(tensor: Tensor) -> tuple[int, int]:
     return int(bits.sum()), int((bits * weights).sum())
 
 
-def _check_same_values_everywhere(params: dict[str, Tensor], layout: Layout, mesh: Mesh) -> None:
+def _check_same_values_everywhere(
+    params: dict[str, Tensor], layout: Layout, mesh: Mesh, where: str
+) -> None:
     """Raise on every rank, naming the first parameter whose values differ across ranks.
 
     Slicing models that hold different values would silently stitch a state from several
@@ -502,10 +522,10 @@ def _check_same_values_everywhere(params: dict[str, Tensor], layout: Layout, mes
         if row != gathered[0]:
             first = next(i for i in range(len(row)) if row[i] != gathered[0][i]) // 2
             raise ValueError(
-                f"funcshard.shard: {fqns[first]!r} holds different values on rank 0 and rank "
+                f"{where}: {fqns[first]!r} holds different values on rank 0 and rank "
                 f"{rank}. Seed every rank alike before building the model "
-                f"(torch.manual_seed), or build it on the meta device and let shard "
-                f"initialize it."
+                f"(torch.manual_seed), or build it on the meta device and let "
+                f"{where.removeprefix('funcshard.')} initialize it."
             )
 
 

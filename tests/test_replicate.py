@@ -182,3 +182,80 @@ def test_a_parameter_read_before_its_module_runs_still_gets_its_whole_gradient()
         for name, p in reference.named_parameters():
             torch.testing.assert_close(full[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
         assert all_reduces == buckets + 1  # b.weight's bucket reduces its two parts
+
+
+class _NoReset(nn.Module):
+    """A module whose own weight no `reset_parameters()` initializes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(4))
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def _init_scale(module: nn.Module) -> None:
+    if isinstance(module, _NoReset):
+        nn.init.normal_(module.scale, generator=None)
+    elif isinstance(module, nn.Linear):
+        module.reset_parameters()
+
+
+def _meta_replicated_and_sharded(rank: int) -> dict:
+    """One meta-built GPT and one needing `init=`, replicated and sharded under one seed,
+    and one step of each in bf16."""
+    with torch.device("meta"):
+        gpt, custom = GPT(GPTConfig(n_layer=2)), _NoReset()
+    mesh = fs.Mesh(replicate=2)
+    mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    replicated = fs.replicate(gpt, mesh, seed=7, mp=mp)
+    sharded = fs.shard(gpt, fs.plan(gpt), mesh, seed=7, mp=mp, reshard_after_forward=False)
+    custom_replicated = fs.replicate(custom, mesh, seed=3, init=_init_scale)
+    custom_sharded = fs.shard(custom, fs.plan(custom), mesh, seed=3, init=_init_scale)
+    x, y = next(_batches(gpt.cfg, rank))
+    loss = functools.partial(_loss, gpt)
+    grads = [
+        fs.unshard(s.replace(shards=fs.value_and_grad(loss)(s, x, y)[1].shards))
+        for s in (replicated, sharded)
+    ]
+    return {
+        "gpt": (fs.unshard(replicated), fs.unshard(sharded)),
+        "custom": (fs.unshard(custom_replicated), fs.unshard(custom_sharded)),
+        "grads": grads,
+        "dtypes": {g.dtype for g in grads[0].values()},
+    }
+
+
+def test_a_meta_model_replicates_to_the_values_shard_gives_it():
+    """replicate had no init= or mp=, and its StillOnMeta advice named shard's init=."""
+    for r in testing.run(_meta_replicated_and_sharded, world_size=2):
+        for name in ("gpt", "custom"):
+            replicated, sharded = r[name]
+            assert replicated.keys() == sharded.keys()
+            for k in replicated:
+                assert torch.equal(replicated[k], sharded[k]), f"{name}: {k} differs"
+        for k, g in r["grads"][0].items():
+            torch.testing.assert_close(g, r["grads"][1][k], rtol=1e-5, atol=1e-6, msg=k)
+        assert r["dtypes"] == {torch.float32}
+
+
+def _still_on_meta(rank: int) -> None:
+    with torch.device("meta"):
+        model = _NoReset()
+    fs.replicate(model, fs.Mesh(replicate=2))
+
+
+def _both_reduce_dtypes(rank: int) -> None:
+    mp = fs.MixedPrecision(reduce_dtype=torch.float32)
+    fs.replicate(nn.Linear(2, 2), fs.Mesh(replicate=2), comm_dtype=torch.bfloat16, mp=mp)
+
+
+def test_replicate_errors_name_replicate_and_its_own_arguments():
+    advice = r"funcshard.replicate: .*scale.*replicate\(\.\.\., init"
+    with pytest.raises(RuntimeError, match=advice):
+        testing.run(_still_on_meta, world_size=2)
+    both = r"comm_dtype=torch.bfloat16 and mp.reduce_dtype=torch.float32"
+    with pytest.raises(ValueError, match=both):
+        testing.run(_both_reduce_dtypes, world_size=2)
