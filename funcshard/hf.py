@@ -18,6 +18,26 @@ shards; only the pages of those rows are read. Replicated parameters and buffers
 whole; non-persistent buffers (rotary frequencies) are in no HF file and stay `like`'s
 (unless a file has them).
 
+`strict=False` (a pretrained base loaded into a model with new parameters, LoRA adapters):
+the tensors the file lacks are copied from `like`'s shards (bitwise, so they keep whatever
+initialization `like` was built with), and one warning names them, as
+`load_state_dict(strict=False)` reports its missing keys. Unexpected and mis-shaped keys are
+still errors (`rename` drops keys the model does not want).
+
+[Note: parameters nothing initialized]
+A state built with `init=fs.skip` holds zeros, so a trainable parameter the file lacks
+would start training at zero (LoRA's A and B both zero get no gradient: a silent no-op).
+The state records no history, so `load_hf` decides it from what it sees: `like` came from
+a skip when every parameter of it is all zeros on every rank (any real initialization draws
+some nonzero value, so one nonzero element anywhere means `like` was initialized). A
+per-parameter test ("this parameter is all zeros") would be wrong: LoRA's B starts at zero
+by design, beside a random A. So when `strict=False` keeps trainable parameters, each rank
+checks whether any of its shards or replicated parameters holds a nonzero element, one
+all-gather of that flag makes every rank agree, and if none does, a second warning names the
+kept trainable parameters. Only then is the extra pass and collective paid. A skip-built
+`like` whose kept parameters a later load fills (an adapter checkpoint) warns too; that
+warning can be filtered.
+
 Every problem (missing, unexpected and mis-shaped keys, an unreadable file) is caught on the
 rank that meets it, and one all-gather of a flag tells every rank whether any rank failed;
 then all raise the same error. Ranks read different bytes, so a damaged byte range may fail
@@ -44,6 +64,7 @@ import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -77,6 +98,7 @@ def load_hf(
     path: str | os.PathLike,
     like: ShardedState,
     rename: Callable[[str], str | None] | None = None,
+    strict: bool = True,
 ) -> ShardedState:
     """Load a safetensors checkpoint (a directory `save_pretrained` wrote, sharded or not, or
     one `.safetensors` file) into the layout of `like`, each rank reading only its part.
@@ -87,9 +109,17 @@ def load_hf(
     Tensors are cast to the state's dtypes. Peak memory: the new shards, plus whatever pages
     of the mapped files the copy touches (see [Note: Hugging Face checkpoints]).
 
-    Raises on every rank, naming them, for missing, unexpected and mis-shaped keys
-    (ValueError) and for unreadable files (CheckpointCorrupted). Communicates: one
-    all-gather of a flag over the mesh (and of the messages, on failure).
+    `strict=False` loads what the file has and keeps `like`'s values (bitwise) for the
+    parameters and persistent buffers it lacks, e.g. new LoRA adapters beside a pretrained
+    base: build `like` with the adapters' own initialization and the base's from anywhere
+    (it is overwritten). One UserWarning names the kept FQNs. If `like` holds zeros in every
+    parameter (`init=fs.skip`), the kept trainable parameters were initialized by nothing,
+    and a second UserWarning names them (see [Note: parameters nothing initialized]).
+
+    Raises on every rank, naming them, for missing (with `strict=True`), unexpected and
+    mis-shaped keys (ValueError) and for unreadable files (CheckpointCorrupted).
+    Communicates: one all-gather of a flag over the mesh (and of the messages, on failure);
+    with `strict=False`, when the file lacks trainable parameters, one more of a flag.
     """
     check_state(like, "like", LOAD)
     ensure_live(like, "checkpoint.load_hf")
@@ -98,18 +128,61 @@ def load_hf(
             f"{LOAD}: rename must be a function from checkpoint key to FQN (or None to drop "
             f"the key), got {type(rename).__name__}."
         )
+    if not isinstance(strict, bool):
+        raise TypeError(f"{LOAD}: strict must be True or False, got {strict!r}.")
     root = os.fspath(path)
-    loaded, problem = None, None
+    loaded, kept, problem = None, [], None
     try:  # reported on every rank below, never a hang
         with ExitStack() as stack:
             handles, entries = _headers(root, stack)
-            sources = _sources(root, entries, like, rename)
+            sources, kept = _sources(root, entries, like, rename, strict)
             loaded = _read(like, sources, handles)
     except Exception as e:
         problem = e
     agree_on_failure(problem, like.layout.mesh.group, LOAD)
     assert loaded is not None
+    if kept:  # the same on every rank: every rank read every header
+        _warn_kept(root, like, kept)
     return loaded
+
+
+def _warn_kept(root: str, like: ShardedState, kept: list[str]) -> None:
+    """Name the tensors that kept `like`'s values, then the trainable ones among them that
+    nothing initialized. See [Note: parameters nothing initialized]."""
+    warnings.warn(
+        f"{LOAD}(strict=False): {root!r} lacks {len(kept)} of the model's tensors, which "
+        f"keep like's values: {format_names(kept, limit=20)}.",
+        stacklevel=3,
+    )
+    trainable = [f for f in kept if f in _trainable(like)]
+    if not trainable:
+        return
+    params = [*like.shards, *like.replicated.values()]
+    nonzero = [t.detach().any() for t in params]  # issued together, then read
+    mine = int(any(bool(n) for n in nonzero))
+    if any(row[0] for row in collectives.all_gather_ints([mine], like.layout.mesh.group)):
+        return
+    warnings.warn(
+        f"{LOAD}(strict=False): trainable parameters {format_names(trainable, limit=20)} "
+        f"are all zeros: {root!r} lacks them and like holds zeros in every parameter (built "
+        f"with init=fs.skip), so nothing initialized them. Build like with their "
+        f"initialization (fs.shard of a model whose new modules initialize themselves, or "
+        f"init=fn), or fill them from another checkpoint.",
+        stacklevel=3,
+    )
+
+
+def _trainable(like: ShardedState) -> set[str]:
+    """The FQNs of `like`'s parameters that get gradients."""
+    layout = like.layout
+    sharded = {
+        f
+        for flat in layout.flats
+        if not flat.frozen
+        for f in flat.fqns
+        if f not in flat.frozen_fqns
+    }
+    return sharded | set(layout.replicated_trainable)
 
 
 def _files(root: str) -> tuple[list[str], dict[str, str] | None]:
@@ -196,8 +269,10 @@ def _sources(
     entries: dict[str, _Entry],
     like: ShardedState,
     rename: Callable[[str], str | None] | None,
-) -> dict[str, _Entry]:
-    """FQN -> the checkpoint tensor that holds it; raises naming every mismatch at once."""
+    strict: bool,
+) -> tuple[dict[str, _Entry], list[str]]:
+    """FQN -> the checkpoint tensor that holds it, and (not `strict`) the required FQNs no
+    tensor holds; raises naming every mismatch at once."""
     named: dict[str, _Entry] = {}
     for key, entry in entries.items():
         fqn = key if rename is None else rename(key)
@@ -224,10 +299,10 @@ def _sources(
         key = named[fqn].key
         return fqn if key == fqn else f"{key} (as {fqn})"
 
+    lacking = [fqn for fqn, (_, required) in expected.items() if required and fqn not in named]
     missing = [
         fqn + (f" (or its tied name {tied[fqn]})" if fqn in tied else "")
-        for fqn, (_, required) in expected.items()
-        if required and fqn not in named
+        for fqn in (lacking if strict else [])
     ]
     unexpected = [described(f) for f in named if f not in expected and f not in aliases]
     wrong = [
@@ -241,9 +316,15 @@ def _sources(
             f"{format_names(missing) or 'none'}; unexpected {format_names(unexpected) or 'none'}"
             f"; shape differs for {format_names(wrong) or 'none'}. Load a checkpoint of the "
             f"same model configuration; map or drop checkpoint keys with rename=(key -> FQN "
-            f"or None)."
+            f"or None)"
+            + (
+                "; or pass strict=False to keep like's values for what the file lacks (new "
+                "adapters)."
+                if missing
+                else "."
+            )
         )
-    return {f: named[f] for f in expected if f in named}
+    return {f: named[f] for f in expected if f in named}, ([] if strict else lacking)
 
 
 def _read(like: ShardedState, sources: dict[str, _Entry], handles: dict[str, Any]) -> ShardedState:
@@ -251,7 +332,7 @@ def _read(like: ShardedState, sources: dict[str, _Entry], handles: dict[str, Any
     layout = like.layout
     rank = layout.mesh.shard_rank
     shards = tuple(
-        _read_shard(flat, rank, sources, handles, old.device)
+        _read_shard(flat, rank, sources, handles, old)
         for flat, old in zip(layout.flats, like.shards, strict=True)
     )
 
@@ -260,7 +341,9 @@ def _read(like: ShardedState, sources: dict[str, _Entry], handles: dict[str, Any
         with _reading(entry):
             return torch.empty_like(old).copy_(handles[entry.file].get_tensor(entry.key))
 
-    replicated = {f: whole(f, t) for f, t in like.replicated.items()}
+    replicated = {
+        f: whole(f, t) if f in sources else t.detach().clone() for f, t in like.replicated.items()
+    }
     buffers = {n: whole(n, b) if n in sources else b for n, b in like.buffers.items()}
     return like.replace(shards=shards, replicated=replicated, buffers=buffers)
 
@@ -270,14 +353,17 @@ def _read_shard(
     shard_rank: int,
     sources: dict[str, _Entry],
     handles: dict[str, Any],
-    device: torch.device,
+    old: Tensor,
 ) -> Tensor:
-    """This rank's shard of `flat`, copied piece by piece from the files (padding zero)."""
+    """This rank's shard of `flat`, copied piece by piece from the files, or from `old` (the
+    shard of `like`) where the files lack a parameter (padding zero)."""
     start, end = shard_rank * flat.shard_numel, (shard_rank + 1) * flat.shard_numel
-    shard = torch.zeros(flat.shard_numel, dtype=flat.dtype, device=device)
+    shard = torch.zeros(flat.shard_numel, dtype=flat.dtype, device=old.device)
     for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
         lo, hi = max(start, offset), min(end, offset + numel)
-        if lo < hi:
+        if lo < hi and fqn not in sources:
+            shard[lo - start : hi - start].copy_(old.detach()[lo - start : hi - start])
+        elif lo < hi:
             entry = sources[fqn]
             with _reading(entry):
                 _copy_range(shard[lo - start : hi - start], handles[entry.file], entry, lo - offset)
