@@ -271,10 +271,13 @@ def _like(grads: Any, leaves: list[Tensor | None], donated: bool = False) -> Any
     return new
 
 
-def _lr_at(lr: LearningRate, step: Tensor) -> float:
-    """The learning rate at `step` (read as an int only for a schedule: a traced step with
-    a schedule breaks its graph there)."""
-    return float(lr(int(step))) if callable(lr) else float(lr)
+def _lr_at(lr: LearningRate, done: Tensor) -> float:
+    """The learning rate of the update that follows `done` updates: a schedule is called
+    once, with `done` (0 for the first update), as `torch.optim.lr_scheduler.LambdaLR` and
+    optax schedules count. `done` is read as an int only for a schedule: a traced step with
+    a schedule breaks its graph there. Call it once per update and pass the rate on: a
+    schedule may count its calls."""
+    return float(lr(int(done))) if callable(lr) else float(lr)
 
 
 def _check_rates(where: str, lr: LearningRate, **rates: float) -> None:
@@ -292,7 +295,14 @@ def sgd(
     weight_decay: float = 0.0,
     dampening: float = 0.0,
 ) -> Optimizer:
-    """Stochastic gradient descent with optional momentum, as `torch.optim.SGD`."""
+    """Stochastic gradient descent with optional momentum, as `torch.optim.SGD`.
+
+    `lr`: a number, or a schedule `lr(step) -> float` called once per update with the number
+    of updates done before it (0, 1, 2, ...), so `lr=lambda step: base * factor(step)` equals
+    `torch.optim.lr_scheduler.LambdaLR(opt, factor)` stepped after each `opt.step()`, and an
+    optax schedule. The count is `opt_state.step`, which a checkpoint saves: a resumed run
+    continues the schedule where it stopped.
+    """
     _check_rates("sgd", lr, momentum=momentum, weight_decay=weight_decay, dampening=dampening)
 
     def init(params: Any) -> SgdState:
@@ -306,8 +316,7 @@ def sgd(
     def update(
         grads: Any, state: SgdState, params: Any, donate: bool = False
     ) -> tuple[Any, SgdState]:
-        step = state.step + 1
-        rate = _lr_at(lr, step)
+        rate, step = _lr_at(lr, state.step), state.step + 1
         updates = [None] * len(state.momentum)
         momenta = list(state.momentum)
         for i, p, g in _live(grads, params):
@@ -338,7 +347,9 @@ def adam(
     weight_decay_mask: Where | None = None,
 ) -> Optimizer:
     """Adam with L2 weight decay added to the gradient, as `torch.optim.Adam`.
-    `weight_decay_mask`: see `adamw`."""
+
+    `lr`: a number or a schedule called once per update with the 0-based count of updates
+    done, as in `sgd`. `weight_decay_mask`: see `adamw`."""
     return _adam_family("adam", lr, betas, eps, weight_decay, False, weight_decay_mask)
 
 
@@ -350,6 +361,12 @@ def adamw(
     weight_decay_mask: Where | None = None,
 ) -> Optimizer:
     """Adam with decoupled weight decay, as `torch.optim.AdamW`.
+
+    `lr`: a number, or a schedule `lr(step) -> float` called once per update with the number
+    of updates done before it (0, 1, 2, ...), as `torch.optim.lr_scheduler.LambdaLR` and
+    optax schedules count: `adamw(lambda step: 3e-4 * factor(step))` equals
+    `AdamW(params, lr=3e-4)` with `LambdaLR(opt, factor)` stepped after each step. The count
+    is `opt_state.step`, which a checkpoint saves, so a resumed run continues the schedule.
 
     `weight_decay_mask` decays only the parameters it holds for: a predicate `(fqn, param)
     -> bool` (`param` a meta tensor of the full shape) or a dict FQN -> bool, e.g.
@@ -399,14 +416,15 @@ def _adam_family(
         m: Tensor,
         v: Tensor,
         step: Tensor,
+        rate: float,
         decay: bool | Tensor = True,
         donate: bool = False,
     ) -> None:
         """torch's fused Adam(W) kernel on one tensor, its decay whole, none, or where a bool
         tensor holds: writes `target`, `m` and `v` in place."""
         if isinstance(decay, Tensor):
-            g = masked_decay(target, g, decay, _lr_at(lr, step), donate)
-        fused_many([target], [g], [m], [v], step, weight_decay if decay is True else 0.0)
+            g = masked_decay(target, g, decay, rate, donate)
+        fused_many([target], [g], [m], [v], step, rate, weight_decay if decay is True else 0.0)
 
     def fused_many(
         targets: list[Tensor],
@@ -414,12 +432,13 @@ def _adam_family(
         ms: list[Tensor],
         vs: list[Tensor],
         step: Tensor,
+        rate: float,
         decay: float = weight_decay,
     ) -> None:
         """torch's fused Adam(W) kernel over many tensors decayed alike: one call per (device,
         dtypes) group rather than one per tensor, whose Python and dispatch cost is paid per
         flat buffer, i.e. per unit. Writes `targets`, `ms` and `vs` in place."""
-        rate, count = _lr_at(lr, step), step.to(torch.float32)
+        count = step.to(torch.float32)
         groups: dict[tuple, list[tuple[Tensor, ...]]] = {}
         for members in zip(targets, gs, ms, vs, strict=True):
             groups.setdefault((members[0].device, members[0].dtype, members[1].dtype), []).append(
@@ -447,12 +466,11 @@ def _adam_family(
     def update(
         grads: Any, state: AdamState, params: Any, donate: bool = False
     ) -> tuple[Any, AdamState]:
-        step = state.step + 1
+        rate, step = _lr_at(lr, state.step), state.step + 1
         # a traced step keeps the count a tensor (int() would break the graph); torch's
         # fused kernel has no functional form to trace, so tracing takes the unfused math
         tracing = torch.compiler.is_dynamo_compiling()
         n = step.double() if tracing else int(step)
-        rate = _lr_at(lr, step)
         step_size = rate / (1 - beta1**n)
         bias_correction2_sqrt = (1 - beta2**n) ** 0.5
         updates = [None] * len(state.exp_avg)
@@ -470,7 +488,7 @@ def _adam_family(
                     m_all[i], v_all[i] = m_all[i].clone(), v_all[i].clone()
             news = [p.detach().clone() for _, p, _ in batched]
             ms, vs = [m_all[i] for i, _, _ in batched], [v_all[i] for i, _, _ in batched]
-            fused_many(news, [g for _, _, g in batched], ms, vs, step)
+            fused_many(news, [g for _, _, g in batched], ms, vs, step, rate)
             torch._foreach_sub_(news, [p.detach() for _, p, _ in batched])
             for (i, _, _), new in zip(batched, news, strict=True):
                 updates[i] = new
@@ -483,7 +501,7 @@ def _adam_family(
             decay = decay_of[i]
             if p.dtype in _FUSED_DTYPES and not tracing:  # fused kernel, on a copy of the param
                 new = p.detach().clone()
-                fused_step_of(new, g, m, v, step, decay, donate)
+                fused_step_of(new, g, m, v, step, rate, decay, donate)
                 updates[i], m_all[i], v_all[i] = new.sub_(p), m, v
                 continue
             decayed = p if decay is True else p * decay  # (decay False: p * False is zeros)
@@ -519,7 +537,7 @@ def _adam_family(
             return None  # see update(): tracing takes the unfused math
         if not _steps_in_place(params, [p for _, p, _ in live]):
             return None
-        step = state.step + 1
+        rate, step = _lr_at(lr, state.step), state.step + 1
         decay_of = decays(params)
         whole = [(i, p, g) for i, p, g in live if decay_of[i] is True]
         with torch.no_grad():  # parameters that require grad are written in place too
@@ -530,11 +548,12 @@ def _adam_family(
                     [state.exp_avg[i] for i, _, _ in whole],
                     [state.exp_avg_sq[i] for i, _, _ in whole],
                     step,
+                    rate,
                 )
             for i, p, g in live:
                 if decay_of[i] is not True:
                     m, v = state.exp_avg[i], state.exp_avg_sq[i]
-                    fused_step_of(p, g, m, v, step, decay_of[i], True)
+                    fused_step_of(p, g, m, v, step, rate, decay_of[i], True)
         new_state = AdamState(step=step, exp_avg=state.exp_avg, exp_avg_sq=state.exp_avg_sq)
         return _donated_params(params, grads, "Optimizer.step"), new_state
 

@@ -71,15 +71,16 @@ def test_optimizers_match_torch_optim_after_several_steps(ours, theirs):
         torch.testing.assert_close(got[k], expected[k], rtol=1e-6, atol=1e-7)
 
 
-def test_learning_rate_schedules_are_called_with_the_step():
+def test_learning_rate_schedules_are_called_with_the_0_based_step():
+    """As LambdaLR and optax count: the first update gets lr(0) (see test_optim_schedule.py)."""
     seen = []
-    schedule = lambda step: seen.append(step) or 0.1 / step  # noqa: E731
+    schedule = lambda step: seen.append(step) or 0.1 / (step + 1)  # noqa: E731
     params, grads = _problem()
     got = _fs_run(fs.optim.sgd(schedule), params, grads)
-    assert seen == [1, 2, 3, 4, 5]
+    assert seen == [0, 1, 2, 3, 4]
     expected = dict(params)
-    for step, g in enumerate(grads, start=1):
-        expected = {k: expected[k] - 0.1 / step * g[k] for k in params}
+    for step, g in enumerate(grads):
+        expected = {k: expected[k] - 0.1 / (step + 1) * g[k] for k in params}
     for k in params:
         torch.testing.assert_close(got[k], expected[k])
 
