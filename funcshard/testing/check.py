@@ -29,6 +29,7 @@ seeded run), the failures saved by earlier checks are replayed first.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import math
@@ -47,6 +48,7 @@ from torch import Tensor, nn
 from funcshard.testing import judge
 from funcshard.testing.harness import LAWS, MP, Case, Config, PhaseFailed, global_batch
 from funcshard.testing.laws import observe as _observe
+from funcshard.testing.recipe import Axes
 from funcshard.testing.report import LawResult, LawViolation, Report
 from funcshard.testing.resume import resume as _resume
 from funcshard.testing.runner import RankDied, run
@@ -64,6 +66,8 @@ def check(
     steps: int = 3,
     examples: int = 8,
     mixed_precision: bool = False,
+    recipes: bool | Axes = True,
+    backend: str = "aot_eager",
     optimizer: str = "adamw",
     lr: float = 1e-2,
     laws: Sequence[str] = LAWS,
@@ -93,19 +97,27 @@ def check(
     ModuleList, a size threshold, the root alone). `world_sizes` are the meshes' sizes (each
     must divide the batch); `examples` configurations are drawn, `steps` optimizer steps
     each (`optimizer` "adamw" with eps 1e-3, or "sgd" with momentum, at `lr`);
-    `mixed_precision=True` also draws bf16 gathers. `laws` picks among `LAWS`.
+    `mixed_precision=True` also draws bf16 gathers. `recipes` draws the features a real
+    step combines on top (see [Note: recipes compose] in funcshard/testing/recipe.py):
+    activation checkpointing of every other block, each block's first Linear frozen
+    (`frozen="split"`), the step compiled by `fs.compile(backend=backend)`, clipping,
+    accumulation over 2 micro-batches (where the batch splits), two parameter groups, a
+    warmup schedule and a user `fs.Comm`; an `Axes` picks some, False none. `laws` picks
+    among `LAWS`.
     `batch_stats` says whether the model normalizes by batch statistics (default: whether it
     holds batch-norm layers): then the reference runs each rank's micro-batch apart. `setup()`
     returns a context manager entered on every rank around each configuration's work (to
     patch something under test, say). `quick=True` checks world sizes up to 2, 3
-    configurations of 2 steps. `seed` fixes the configurations drawn; with `database` (a
-    hypothesis database, or a directory) they are drawn afresh instead, and the failures saved
-    there by earlier checks replayed first. `progress(line)` hears of each configuration as it
-    ends.
+    configurations of 2 steps, with every recipe axis but compilation. `seed` fixes the
+    configurations drawn; with `database` (a hypothesis database, or a directory) they are
+    drawn afresh instead, and the failures saved there by earlier checks replayed first.
+    `progress(line)` hears of each configuration as it ends.
     """
+    axes = recipes if isinstance(recipes, Axes) else Axes() if recipes else Axes.none()
     if quick:
         world_sizes = [w for w in world_sizes if w <= 2] or [min(world_sizes)]
         steps, examples, shrink_budget = min(steps, 2), min(examples, 3), min(shrink_budget, 4)
+        axes = dataclasses.replace(axes, compiled=False)
     case = Case(
         make_model=make_model,
         make_batch=make_batch,
@@ -118,11 +130,13 @@ def check(
         meta=meta,
         setup=setup,
         laws=tuple(laws),
+        backend=backend,
     )
     worlds = _validated(case, world_sizes, steps, examples)
+    micro = (1, 2) if axes.micro_batches and _splits(case, [2 * w for w in worlds]) else (1,)
     start = time.monotonic()
     search = _Search(case, worlds, examples, shrink_budget, timeout, progress)
-    _explore(search, worlds, mixed_precision, examples, seed, database)
+    _explore(search, worlds, mixed_precision, axes, micro, examples, seed, database)
     report = Report(
         results=tuple(r for results in search.results.values() for r in results),
         smallest=search.failing[-1] if search.failing else None,
@@ -181,9 +195,19 @@ def _validated(
     return worlds
 
 
+def _first_batch(case: Case) -> Any:
+    return global_batch(case, Config(1, 1, False, "root", True, None, 0, 1), 0)
+
+
+def _splits(case: Case, parts: Sequence[int]) -> bool:
+    """Whether the batch's rows split evenly into each of `parts`."""
+    tensors = [t for t in optree.tree_leaves(_first_batch(case)) if isinstance(t, Tensor)]
+    return all(t.dim() and t.shape[0] % p == 0 for t in tensors for p in parts)
+
+
 def _check_batch(case: Case, worlds: tuple[int, ...]) -> None:
     """The batch is a pair whose tensors all split evenly over every world size."""
-    batch = global_batch(case, Config(1, 1, False, "root", True, None, 0, 1), 0)
+    batch = _first_batch(case)
     if not (isinstance(batch, tuple | list) and len(batch) == 2):
         raise TypeError(
             f"fs.testing.check: make_batch(step) must return (inputs, targets), got "
@@ -263,43 +287,54 @@ class _Search:
         return _kind(config) not in {_kind(c) for c in self.results}
 
     def _check(self, config: Config) -> list[LawResult]:
-        path = tempfile.mkdtemp(prefix="funcshard-check-")
-        try:
-            observed = self._run(functools.partial(_observe, self.case, config, path), config.world)
-            resumed = None
-            if "checkpoint" in self.case.laws and not isinstance(observed, PhaseFailed):
-                saved = {
-                    **observed[0]["run"]["saved"],
-                    "buffers": [o["run"]["saved"]["buffers"] for o in observed],
-                }
-                task = functools.partial(_resume, self.case, config, path, saved)
-                resumed = self._run(task, config.resume_world)
-            if not isinstance(observed, PhaseFailed) and observed[0]["built_on"] == "cpu":
-                self.notes.append(
-                    "built on the CPU: fs.shard could not initialize the model on the meta "
-                    "device (some tensor has no reset_parameters()); meta=False skips the try"
-                )
-            return judge.judge(self.case, config, observed, resumed)
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
+        return examine(self.case, config, self.timeout, self.notes)
 
-    def _run(self, task: Callable[[int], Any], world: int) -> list[Any] | PhaseFailed:
-        """Run `task` on `world` ranks; a rank's `PhaseFailed`, or a dead or hung rank (a
-        collective that differs across ranks), comes back as a `PhaseFailed`."""
-        try:
-            return run(task, world_size=world, timeout=self.timeout)
-        except PhaseFailed as e:
-            return e
-        except (RankDied, TimeoutError) as e:
-            if isinstance(e.__cause__, PhaseFailed):
-                return e.__cause__
-            lines = "\n".join(str(e).splitlines()[:4])
-            return PhaseFailed("collectives", f"{type(e).__name__}: {lines}")
+
+def examine(
+    case: Case, config: Config, timeout: float = 120.0, notes: list[str] | None = None
+) -> list[LawResult]:
+    """Check one configuration: every law of `case.laws`, judged (see [Note: one run per
+    configuration]); a note for `notes` when the model had to be built on the CPU."""
+    path = tempfile.mkdtemp(prefix="funcshard-check-")
+    try:
+        task = functools.partial(_observe, case, config, path)
+        observed = _run(task, config.world, timeout)
+        resumed = None
+        if "checkpoint" in case.laws and not isinstance(observed, PhaseFailed):
+            saved = {
+                **observed[0]["run"]["saved"],
+                "buffers": [o["run"]["saved"]["buffers"] for o in observed],
+            }
+            task = functools.partial(_resume, case, config, path, saved)
+            resumed = _run(task, config.resume_world, timeout)
+        built_on_cpu = not isinstance(observed, PhaseFailed) and observed[0]["built_on"] == "cpu"
+        if built_on_cpu and notes is not None:
+            notes.append(
+                "built on the CPU: fs.shard could not initialize the model on the meta "
+                "device (some tensor has no reset_parameters()); meta=False skips the try"
+            )
+        return judge.judge(case, config, observed, resumed)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _run(task: Callable[[int], Any], world: int, timeout: float) -> list[Any] | PhaseFailed:
+    """Run `task` on `world` ranks; a rank's `PhaseFailed`, or a dead or hung rank (a
+    collective that differs across ranks), comes back as a `PhaseFailed`."""
+    try:
+        return run(task, world_size=world, timeout=timeout)
+    except PhaseFailed as e:
+        return e
+    except (RankDied, TimeoutError) as e:
+        if isinstance(e.__cause__, PhaseFailed):
+            return e.__cause__
+        lines = "\n".join(str(e).splitlines()[:4])
+        return PhaseFailed("collectives", f"{type(e).__name__}: {lines}")
 
 
 def _kind(config: Config) -> tuple:
     """A configuration without its seed and resume world size."""
-    return (config.mesh_name, config.policy, config.reshard_after_forward, config.mp)
+    return (config.mesh_name, config.policy, config.reshard_after_forward, config.mp, config.recipe)
 
 
 class _Failed(Exception):
@@ -310,6 +345,8 @@ def _explore(
     search: _Search,
     worlds: tuple[int, ...],
     mixed_precision: bool,
+    axes: Axes,
+    micro: tuple[int, ...],
     examples: int,
     seed: int,
     database: Any,
@@ -336,13 +373,13 @@ def _explore(
         report_multiple_bugs=False,
         print_blob=False,
     )
-    @given(configurations(worlds, policies, precisions))
+    @given(configurations(worlds, policies, precisions, axes, micro))
     def laws_hold(config: Config) -> None:
         search.examine(config)
 
     # failures saved in a database are the model's and options', not this function's (whose
     # digest hypothesis would use: every check would replay every model's failures)
-    key = repr((_name(search.case.make_model), worlds, policies, precisions)).encode()
+    key = repr((_name(search.case.make_model), worlds, policies, precisions, axes)).encode()
     laws_hold._hypothesis_internal_database_key = hashlib.sha256(key).digest()
     if database is None:  # hypothesis saves nothing from a seeded run
         seeded(seed)(laws_hold)
@@ -359,10 +396,13 @@ def configurations(
     worlds: tuple[int, ...],
     policies: tuple[str, ...] = ("blocks", "size", "root"),
     precisions: tuple[str | None, ...] = (None,),
+    axes: Axes | None = None,
+    micro: tuple[int, ...] = (1, 2),
 ) -> Any:
     """A hypothesis strategy of `Config`s; each shrinks toward the smallest world size (then
-    the fewest shards), the first policy and precision listed, resharding after forward, and
-    seed 0."""
+    the fewest shards), the first policy and precision listed, resharding after forward,
+    seed 0, and every recipe switch off. `axes` says which recipe switches are drawn (none
+    by default); `micro` the numbers of micro-batches."""
     from hypothesis import strategies as st
 
     from funcshard.testing.strategies import meshes
@@ -380,6 +420,11 @@ def configurations(
             ks = [k for k in range(2, mesh.shard) if mesh.shard % k == 0]
             reshard = draw(st.sampled_from([True, False, *ks]))
         others = [w for w in worlds if w != mesh.world_size] or [mesh.world_size]
+        on = axes if axes is not None else Axes.none()
+
+        def switch(drawn: bool) -> bool:
+            return drawn and draw(st.booleans())
+
         return Config(
             replicate=mesh.replicate,
             shard=mesh.shard,
@@ -389,6 +434,14 @@ def configurations(
             mp=draw(st.sampled_from(precisions)),
             seed=draw(st.integers(0, 99)),
             resume_world=draw(st.sampled_from(others)),
+            checkpointing=switch(on.checkpointing),
+            frozen=switch(on.frozen),
+            compiled=switch(on.compiled),
+            clip=switch(on.clip),
+            micro_batches=draw(st.sampled_from(micro)) if on.micro_batches else 1,
+            groups=switch(on.groups),
+            schedule=switch(on.schedule),
+            comm=switch(on.comm and mesh.shard > 1),  # see recipe.REFUSED
         )
 
     return draw_config()

@@ -4,12 +4,15 @@ is drawn and split, and the standard training step.
 
 The standard step is the one README.md teaches: `fs.value_and_grad` of the loss with
 `fs.call(model, state, ...)` inside, `opt.update`, `fs.apply_updates`, and the call's new
-buffers threaded into the next state.
+buffers threaded into the next state; a configuration's recipe switches add activation
+checkpointing, frozen parts, compilation, clipping, accumulation, parameter groups, a
+schedule and a user `Comm` to it (see [Note: recipes compose] in recipe.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +25,7 @@ import funcshard as fs
 from funcshard import collectives
 from funcshard.materialize import StillOnMeta
 from funcshard.rng import data_parallel_index, fold_in
+from funcshard.testing import recipe
 
 LAWS = ("round_trip", "parity", "determinism", "checkpoint", "collectives", "purity", "memory")
 MP = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,11 +81,13 @@ class Case:
     meta: bool | None = None  # None: try the meta device, fall back to the CPU
     setup: Callable[[], contextlib.AbstractContextManager] | None = None
     laws: tuple[str, ...] = LAWS
+    backend: str = "aot_eager"  # fs.compile's, for configurations that compile the step
 
 
 @dataclass(frozen=True, order=True)
 class Config:
-    """One configuration to check: a mesh, a plan, resharding, precision and a seed."""
+    """One configuration to check: a mesh, a plan, resharding, precision and a seed, and the
+    recipe switches (see [Note: recipes compose] in recipe.py), all off by default."""
 
     replicate: int
     shard: int
@@ -91,6 +97,29 @@ class Config:
     mp: str | None
     seed: int
     resume_world: int  # the world size the checkpoint is loaded at
+    checkpointing: bool = False  # every other block recomputed in backward
+    frozen: bool = False  # each block's first Linear frozen, plan(frozen="split")
+    compiled: bool = False  # the step through fs.compile
+    clip: bool = False  # clip_by_global_norm before the optimizer
+    micro_batches: int = 1  # gradient accumulation over this many micro-batches
+    groups: bool = False  # two parameter groups (fs.optim.partition)
+    schedule: bool = False  # a warmup schedule of the learning rate
+    comm: bool = False  # a user fs.Comm does the gathers and reduces
+
+    @property
+    def recipe(self) -> str:
+        """The switches that are on, in words ("" for none)."""
+        words = [
+            ("checkpointing", self.checkpointing),
+            ("frozen split", self.frozen),
+            ("compiled", self.compiled),
+            ("clip", self.clip),
+            (f"{self.micro_batches} micro-batches", self.micro_batches > 1),
+            ("param groups", self.groups),
+            ("schedule", self.schedule),
+            ("user comm", self.comm),
+        ]
+        return ", ".join(word for word, on in words if on)
 
     @property
     def world(self) -> int:
@@ -109,9 +138,10 @@ class Config:
     def __str__(self) -> str:
         reshard = "" if self.shard == 1 else f", reshard {self.reshard_after_forward}"
         policy = "" if self.ddp else f", policy {self.policy}"
+        recipe = f", {self.recipe}" if self.recipe else ""
         return (
-            f"{self.mesh_name}{policy}{reshard}, {self.mp or 'fp32'}, seed {self.seed}, "
-            f"resume at {self.resume_world}"
+            f"{self.mesh_name}{policy}{reshard}, {self.mp or 'fp32'}{recipe}, seed "
+            f"{self.seed}, resume at {self.resume_world}"
         )
 
 
@@ -135,14 +165,15 @@ def build(case: Case, config: Config, mesh: fs.Mesh) -> tuple[nn.Module, fs.Shar
         model = _on_meta(case)
         if model is not None:
             try:
-                return _prepared(model), _shard(case, config, model, mesh), "meta"
+                model = _prepared(model, config)
+                return model, _shard(case, config, model, mesh), "meta"
             except StillOnMeta:  # a tensor no reset_parameters() initializes
                 if case.meta:
                     raise
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
-            model = case.make_model()
-        return _prepared(model), _shard(case, config, model, mesh), "cpu"
+            model = _prepared(case.make_model(), config)
+        return model, _shard(case, config, model, mesh), "cpu"
 
 
 def _on_meta(case: Case) -> nn.Module | None:
@@ -159,14 +190,15 @@ def _on_meta(case: Case) -> nn.Module | None:
         return None
 
 
-def _prepared(model: nn.Module) -> nn.Module:
+def _prepared(model: nn.Module, config: Config) -> nn.Module:
     """Eval mode (dropout off on both sides) with batch-norm layers in train mode, so that
-    their batch statistics and running averages are checked too."""
+    their batch statistics and running averages are checked too; frozen and checkpointed
+    blocks as the configuration says."""
     model.eval()
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             module.train()
-    return model
+    return recipe.prepare(model, config.checkpointing, config.frozen)
 
 
 def _shard(case: Case, config: Config, model: nn.Module, mesh: fs.Mesh) -> fs.ShardedState:
@@ -176,7 +208,8 @@ def _shard(case: Case, config: Config, model: nn.Module, mesh: fs.Mesh) -> fs.Sh
         return fs.replicate(
             model, mesh, bucket_mb=mb, first_bucket_mb=mb / 2, comm_dtype=dtype, seed=config.seed
         )
-    plan = fs.plan(model, policy=_policy(case, config.policy, model))
+    frozen = "split" if config.frozen else "error"
+    plan = fs.plan(model, policy=_policy(case, config.policy, model), frozen=frozen)
     return fs.shard(
         model,
         plan,
@@ -231,11 +264,12 @@ def _as_bytes(t: Tensor) -> Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def optimizer(case: Case) -> fs.optim.Optimizer:
-    """AdamW with eps 1e-3 (see ADAMW_EPS), or SGD with momentum 0.9, at the case's rate."""
-    if case.optimizer == "sgd":
-        return fs.optim.sgd(case.lr, momentum=0.9)
-    return fs.optim.adamw(case.lr, eps=ADAMW_EPS, weight_decay=0.01)
+def optimizer(case: Case, config: Config) -> fs.optim.Optimizer:
+    """AdamW with eps 1e-3 (see ADAMW_EPS), or SGD with momentum 0.9, at the case's rate, in
+    groups, on a schedule and after clipping as the configuration says."""
+    return recipe.optimizer(
+        case.optimizer, case.lr, ADAMW_EPS, config.groups, config.schedule, config.clip
+    )
 
 
 def global_batch(case: Case, config: Config, step: int) -> tuple[Any, Any]:
@@ -270,24 +304,51 @@ def call(model: nn.Module, params: Any, inputs: Any, **options: Any) -> Any:
     return fs.call(model, params, inputs, **options)
 
 
-def step(
+Step = Callable[..., tuple[Tensor, Any, Any]]  # (state, opt_state, inputs, targets) -> ...
+
+
+def make_step(
+    case: Case, config: Config, model: nn.Module, opt: fs.optim.Optimizer
+) -> Step:
+    """The standard step for this configuration, `(state, opt_state, inputs, targets) ->
+    (this rank's loss, new state, new optimizer state)`: compiled with the case's backend
+    when the configuration says so (one compiled function per training run)."""
+    fn = functools.partial(_step, case, config, model, opt)
+    return fs.compile(fn, backend=case.backend) if config.compiled else fn
+
+
+def _step(
     case: Case,
+    config: Config,
     model: nn.Module,
-    state: fs.ShardedState,
     opt: fs.optim.Optimizer,
+    state: fs.ShardedState,
     opt_state: Any,
     inputs: Any,
     targets: Any,
 ) -> tuple[Tensor, fs.ShardedState, Any]:
-    """The standard step: returns this rank's loss, the new state and optimizer state."""
+    comm = recipe.USER_COMM if config.comm else None
+    parts = config.micro_batches
 
     def loss_of(state: fs.ShardedState, inputs: Any, targets: Any) -> tuple[Tensor, Any]:
         out, buffers = call(model, state, inputs, mutable=True)
-        return case.loss_fn(out, targets), buffers
+        return case.loss_fn(out, targets) / parts, buffers
 
-    (loss, buffers), grads = fs.value_and_grad(loss_of, has_aux=True)(state, inputs, targets)
+    if parts == 1:
+        grad_fn = fs.value_and_grad(loss_of, has_aux=True, comm=comm)
+        (loss, buffers), grads = grad_fn(state, inputs, targets)
+        if buffers:
+            state = state.replace(buffers=buffers)
+    else:  # each micro-batch's loss divided by their number: fs.accumulate sums
+        grad_fn = fs.value_and_grad(loss_of, has_aux=True, reduce=False, comm=comm)
+        local, losses = None, []
+        for i in range(parts):
+            part = split(inputs, i, parts), split(targets, i, parts)
+            (loss, buffers), grads = grad_fn(state, *part)
+            if buffers:
+                state = state.replace(buffers=buffers)
+            local = grads if local is None else fs.accumulate(local, grads)
+            losses.append(loss)
+        grads, loss = fs.reduce(state, local, comm=comm), sum(losses)
     updates, opt_state = opt.update(grads, opt_state, state)
-    state = fs.apply_updates(state, updates)
-    if buffers:
-        state = state.replace(buffers=buffers)
-    return loss, state, opt_state
+    return loss, fs.apply_updates(state, updates), opt_state

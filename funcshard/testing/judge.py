@@ -35,13 +35,16 @@ def bounds(config: Config, lr: float, steps: int, across: bool = False) -> Bound
 
     fp32: 1e-5 against one process (roundoff grows to ~1e-6 over a few AdamW steps, DESIGN.md
     §10 item 4), 1e-6 `across` world sizes (the same numbers summed in another order). With
-    bf16 or fp16 gathers, the losses within 5e-2 and each weight within 2 lr per step of
-    fp32's (AdamW moves a weight about lr a step whatever its gradient, and a gradient near
-    zero can change sign under rounding; tests/test_training.py bounds it the same way).
+    bf16 or fp16 gathers the reference computes in the same dtype on fp32 master weights (see
+    funcshard/testing/reference.py), so what differs is where the rounding happens (each
+    rank's gradient rounded before the fp32 reduce, against the whole batch's): the losses
+    within 2e-3 relative, each weight within 2e-3 of max(its largest value, 1) (a gradient
+    near zero can change sign under rounding, and AdamW then moves that weight about lr the
+    other way), and each weight's update judged on its own (`MP_UPDATE_TOLERANCE`).
     """
     if config.mp is None:
         return Bounds(1e-6, 1e-6) if across else Bounds(1e-5, 1e-5)
-    return Bounds(5e-2, 2 * lr * steps, floor=1.0)
+    return Bounds(2e-3, 2e-3, floor=1.0)
 
 
 # With low-precision gathers each parameter's total update (final - first) must be within
@@ -127,7 +130,7 @@ def judge_parity(case: Case, config: Config, observed: list, resumed: Any) -> La
             for fqn, v in reference["final"].items():
                 error = update_error(o["run"]["final"][fqn], v, reference["first"][fqn])
                 worst.add(error, MP_UPDATE_TOLERANCE, f"the update of {fqn} on rank {rank}")
-            pairs = []
+            pairs = [(fqn, o["run"]["final"][fqn], v) for fqn, v in reference["final"].items()]
         else:
             pairs = [(fqn, o["run"]["final"][fqn], v) for fqn, v in reference["final"].items()]
         buffers = reference["buffers"][rank if batch_stats else 0]

@@ -48,10 +48,10 @@ from funcshard.testing.harness import (
     first_lines,
     has_batch_stats,
     local_batch,
+    make_step,
     mesh_of,
     optimizer,
     phase,
-    step,
     user_setup,
 )
 from funcshard.testing.reference import reference
@@ -148,8 +148,9 @@ def _train(
 ) -> dict[str, Any]:
     """Train `case.steps` steps from `state`, observing collectives, memory and purity."""
     mesh = state.layout.mesh
-    opt = optimizer(case)
+    opt = optimizer(case, config)
     opt_state = opt.init(state)
+    step = make_step(case, config, model, opt)
     run: dict[str, Any] = {"losses": [], "collectives": [], "unwaited": [], "mutated": []}
     for s in range(case.steps):
         if save_to is not None and s == case.steps - 1:
@@ -165,9 +166,7 @@ def _train(
             probes.gathered_bytes(s == 0 and "memory" in case.laws) as memory,
             probes.unwaited() as issued,
         ):
-            loss, new_state, new_opt_state = step(
-                case, model, state, opt, opt_state, inputs, targets
-            )
+            loss, new_state, new_opt_state = step(state, opt_state, inputs, targets)
         run["mutated"] += _written(before, (state, opt_state, inputs, targets), s)
         state, opt_state = new_state, new_opt_state
         run["losses"].append(fs.pmean(loss, mesh).item())

@@ -1,28 +1,45 @@
 """The reference `fs.testing.check` compares sharded training with: one plain process.
 
 It starts from `fs.unshard` of the sharded run's first state (never a second `make_model()`,
-whose initialization could differ) and trains with plain PyTorch: `fs.call` on a params dict
-(torch.func.functional_call underneath), `loss.backward()` and the `torch.optim` optimizer
-that funcshard's own follows. A model with batch statistics (BatchNorm) runs each rank's
+whose initialization could differ) and trains with plain PyTorch: `fs.value_and_grad` of
+`fs.call` on a params dict (torch.func.functional_call and autograd underneath; it
+recomputes checkpointed blocks with the dict's tensors) and the `torch.optim` optimizer
+that funcshard's own follows, with the configuration's parameter groups, schedule and
+clipping (recipe.py). A model with batch statistics (BatchNorm) runs each rank's
 micro-batch on its own and averages the gradients, as data parallelism without
-SyncBatchNorm does, and keeps each rank's buffers (running statistics) apart.
+SyncBatchNorm does, and keeps each rank's buffers (running statistics) apart; with
+accumulation, each step runs as many micro-batches as each rank does, a rank's buffers
+threaded through its own. With mixed precision it computes as the sharded run does: in the
+low dtype, on a low-precision copy of fp32 master parameters (DDP's compressed all-reduce
+computes in fp32).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import optree
 import torch
 from torch import Tensor, nn
 
-from funcshard.testing.harness import ADAMW_EPS, Case, Config, call, global_batch, split
+import funcshard as fs
+from funcshard.testing import recipe
+from funcshard.testing.harness import (
+    ADAMW_EPS,
+    MP,
+    Case,
+    Config,
+    call,
+    global_batch,
+    split,
+)
 
 
-def torch_optimizer(case: Case, params: list[Tensor]) -> torch.optim.Optimizer:
-    """The torch.optim optimizer that `harness.optimizer(case)` follows."""
-    if case.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=case.lr, momentum=0.9)
-    return torch.optim.AdamW(params, lr=case.lr, eps=ADAMW_EPS, weight_decay=0.01)
+def torch_optimizer(case: Case, config: Config, params: dict[str, Tensor]) -> Any:
+    """The torch.optim optimizer that `harness.optimizer(case, config)` follows."""
+    return recipe.torch_optimizer(
+        case.optimizer, case.lr, ADAMW_EPS, params, config.groups, config.schedule, config.clip
+    )
 
 
 def reference(
@@ -38,24 +55,58 @@ def reference(
     rank with `batch_stats`, else one)."""
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     params = {k: v.detach().clone().requires_grad_(k in trainable) for k, v in full.items()}
-    opt = torch_optimizer(case, [p for p in params.values() if p.requires_grad])
-    parts = config.world if batch_stats else 1
-    rank_buffers = [dict(buffers) for _ in range(parts)]
+    opt = torch_optimizer(case, config, params)
+    # as many forwards per step as each rank runs (a buffer may count them), per rank with
+    # batch statistics
+    ranks, micro = (config.world if batch_stats else 1), config.micro_batches
+    low = MP[config.mp] if config.mp is not None and not config.ddp else None
+    rank_buffers = [dict(buffers) for _ in range(ranks)]
     losses = []
     for step in range(case.steps):
         inputs, targets = global_batch(case, config, step)
         opt.zero_grad()
         total = 0.0
-        for i in range(parts):
-            out, new = call(
-                model, params, split(inputs, i, parts), buffers=rank_buffers[i], mutable=True
+        for i in range(ranks * micro):
+            rank = i // micro
+            part = split(inputs, i, ranks * micro), split(targets, i, ranks * micro)
+            grad_fn = fs.value_and_grad(_loss, has_aux=True)  # recomputes checkpointed blocks
+            (loss, new), grads = grad_fn(
+                params, case, model, low, ranks * micro, rank_buffers[rank], *part
             )
-            loss = case.loss_fn(out, split(targets, i, parts)) / parts
-            loss.backward()
+            for k, g in grads.items():
+                p = params[k]
+                p.grad = g if p.grad is None else p.grad + g
             total += loss.item()
-            rank_buffers[i] = {k: v.detach() for k, v in new.items()}
+            rank_buffers[rank] = {k: v.detach() for k, v in new.items()}
         opt.step()
         losses.append(total)
     final = {k: v.detach() for k, v in params.items()}
     first = {k: v.detach().clone() for k, v in full.items()}
     return {"losses": losses, "first": first, "final": final, "buffers": rank_buffers}
+
+
+def _loss(
+    params: dict[str, Tensor],
+    case: Case,
+    model: nn.Module,
+    low: torch.dtype | None,
+    parts: int,
+    buffers: dict[str, Tensor],
+    inputs: Any,
+    targets: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """One micro-batch's share of the loss (computed in `low` if given), its new buffers."""
+    out, new = call(model, _cast(params, low), _cast(inputs, low), buffers=buffers, mutable=True)
+    out = _cast(out, torch.float32 if low is not None else None)
+    return case.loss_fn(out, targets) / parts, new
+
+
+def _cast(tree: Any, dtype: torch.dtype | None) -> Any:
+    """The floating-point tensors of `tree` in `dtype` (differentiably), or `tree` for None."""
+    if dtype is None:
+        return tree
+
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+
+    return optree.tree_map(cast, tree, none_is_leaf=False)

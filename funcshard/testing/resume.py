@@ -30,11 +30,11 @@ from funcshard.testing.harness import (
     call,
     global_batch,
     local_batch,
+    make_step,
     mesh_of,
     optimizer,
     phase,
     split,
-    step,
     user_setup,
 )
 
@@ -81,7 +81,7 @@ def resume(case: Case, config: Config, path: str, saved: dict[str, Any], rank: i
             config, replicate=axes[0], shard=axes[1], reshard_after_forward=True
         )
         model, state, _ = build(case, config, mesh_of(config))
-        opt = optimizer(case)
+        opt = optimizer(case, config)
         fresh = opt.init(state)
         loaded, loaded_opt, at, _ = fs.checkpoint.load(path, like=(state, fresh))
         buffers = _one_of(saved["buffers"], loaded.buffers)
@@ -121,9 +121,10 @@ def _continue(
 ) -> dict[str, Any]:
     """Train from step `at` to the end; the losses, and the state unsharded."""
     losses = []
+    step = make_step(case, config, model, opt)
     for s in range(at, case.steps):
         inputs, targets = local_batch(case, config, s, state.layout.mesh)
-        loss, state, opt_state = step(case, model, state, opt, opt_state, inputs, targets)
+        loss, state, opt_state = step(state, opt_state, inputs, targets)
         losses.append(fs.pmean(loss, state.layout.mesh))
     return {"losses": [loss.item() for loss in losses], **_unsharded(state, opt_state)}
 
@@ -142,35 +143,75 @@ def _clone(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def unsharded_moments(state: fs.ShardedState, opt_state: Any) -> dict[str, Any]:
-    """The optimizer state's fields, those laid out like the shards (one per flat buffer:
-    momentum, Adam's moments) unsharded by FQN with which buffers had one; the others (the
-    step count) as they are. Communicates: as `fs.unshard` does, per such field."""
-    out = {}
-    for field in dataclasses.fields(opt_state):
-        value = getattr(opt_state, field.name)
-        if isinstance(value, tuple) and len(value) == len(state.shards):
+    """The optimizer state's fields by dotted path (into nested states: a chain's, a
+    partition's): those laid out like the shards (one per flat buffer: momentum, Adam's
+    moments) unsharded by FQN with which buffers had one; the others (the step count) as they
+    are. Communicates: as `fs.unshard` does, per such field."""
+    out: dict[str, Any] = {}
+    _unshard_fields(state, opt_state, "", out)
+    return out
+
+
+def _fields(record: Any) -> list[tuple[str, Any]]:
+    """A state record's parts by name: a dataclass's fields, a dict's items, a tuple's
+    entries (for a tuple not laid out like the shards); [] for a leaf."""
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
+        return [(f.name, getattr(record, f.name)) for f in dataclasses.fields(record)]
+    if isinstance(record, dict):
+        return list(record.items())
+    if isinstance(record, tuple):
+        return [(str(i), v) for i, v in enumerate(record)]
+    return []
+
+
+def _like_shards(value: Any, state: fs.ShardedState) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) == len(state.shards)
+        and all(v is None or isinstance(v, Tensor) for v in value)
+        and any(isinstance(v, Tensor) for v in value)
+    )
+
+
+def _unshard_fields(state: fs.ShardedState, record: Any, prefix: str, out: dict) -> None:
+    for name, value in _fields(record):
+        path = f"{prefix}{name}"
+        if _like_shards(value, state):
             present = tuple(v is not None for v in value)
             filled = tuple(
                 v if v is not None else torch.zeros_like(s)
                 for v, s in zip(value, state.shards, strict=True)
             )
-            out[field.name] = (present, _clone(fs.unshard(state.replace(shards=filled))))
+            out[path] = (present, _clone(fs.unshard(state.replace(shards=filled))))
+        elif _fields(value):
+            _unshard_fields(state, value, f"{path}.", out)
         else:
-            out[field.name] = value.detach().clone() if isinstance(value, Tensor) else value
-    return out
+            out[path] = value.detach().clone() if isinstance(value, Tensor) else value
 
 
 def _with_moments(state: fs.ShardedState, opt_state: Any, moments: dict[str, Any]) -> Any:
     """`opt_state` with the fields of `unsharded_moments` resharded into `state`'s layout."""
+    return _rebuilt(state, opt_state, moments, "")
+
+
+def _rebuilt(state: fs.ShardedState, record: Any, moments: dict[str, Any], prefix: str) -> Any:
     changes = {}
-    for name, value in moments.items():
-        if isinstance(value, tuple):
-            present, full = value
+    for name, value in _fields(record):
+        path = f"{prefix}{name}"
+        if _like_shards(value, state):
+            present, full = moments[path]
             shards = fs.reshard(state, full).shards
             changes[name] = tuple(s if p else None for s, p in zip(shards, present, strict=True))
+        elif _fields(value):
+            changes[name] = _rebuilt(state, value, moments, f"{path}.")
         else:
-            changes[name] = value
-    return dataclasses.replace(opt_state, **changes)
+            changes[name] = moments[path]
+    if isinstance(record, dict):
+        return {**record, **changes}
+    if isinstance(record, tuple):
+        values = [changes[str(i)] for i in range(len(record))]
+        return type(record)(*values) if hasattr(record, "_fields") else tuple(values)
+    return dataclasses.replace(record, **changes)
 
 
 def _differences(what: str, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
