@@ -311,21 +311,19 @@ class _Run:
         resharded: fresh leaves (the gradients flow through the first forward's graph) that
         require grad as the first forward's did, so autograd saves the same tensors."""
         params = self.params[unit]
-        if params is None:
-            assert self.regather is not None  # only resharded units lack their parameters
-            flats = self.regather.gathered(unit)
+        flats = self.binding.unit_flats[unit]
+        if params is None and self.regather is not None:
+            fulls = self.regather.gathered(unit)
             params = tuple(
                 param
-                for i, flat in zip(self.binding.unit_flats[unit], flats, strict=True)
-                for param in param_views(flat, self.layout.flats[i])
+                for i, full in zip(flats, fulls, strict=True)
+                for param in param_views(full, self.layout.flats[i])
             )
+        elif params is None:  # a unit without gradients (all frozen), released after forward
+            params = tuple(p for i in flats for p in self._gather(i, None, False, None))
         # per flat buffer, not per unit: the frozen members of a frozen="split" unit did not
         # require grad in the first forward, so autograd saved other tensors around them
-        requires = [
-            self.differentiable[i]
-            for i in self.binding.unit_flats[unit]
-            for _ in self.layout.flats[i].fqns
-        ]
+        requires = [self.differentiable[i] for i in flats for _ in self.layout.flats[i].fqns]
         return tuple(p.detach().requires_grad_(r) for p, r in zip(params, requires, strict=True))
 
     def drain(self) -> None:
