@@ -272,11 +272,21 @@ class _Gather(torch.autograd.Function):
                 f"torch.autograd.functional.jacobian(vectorize=True)) are not supported: each "
                 f"row would need its own reduce across ranks. Compute the rows one at a time."
             )
+        deferring = (
+            spec.reduction != "none"
+            and ctx.deferred is not None
+            and not spec.user_reduce
+            and _may_defer(ctx.deferred)
+        )
+        # see [Note: reducing in place]; asked before _concat makes a view of the gradient
+        alone = deferring and _alone(grads)
         full = _concat(grads, spec)
         if spec.reduction == "none":
             return None, _prepared(full, spec), None, None, None, None
-        if ctx.deferred is not None and not spec.user_reduce and _may_defer(ctx.deferred):
-            return _THROTTLE.issue(_prepared(full, spec), spec), None, None, None, None, None
+        if deferring:
+            grad = _prepared(full, spec)
+            writable = alone or not _shares_memory(grad, grads)
+            return _THROTTLE.issue(grad, spec, writable), None, None, None, None, None
         grad = reduce(full, spec).to(ctx.shard_device, ctx.shard_dtype)  # offload: to the host
         return grad, None, None, None, None, None
 
@@ -330,7 +340,12 @@ def _all_gather(shard: Tensor, spec: GatherSpec) -> Tensor:
 
 
 def _concat(grads: tuple[Tensor | None, ...], spec: GatherSpec) -> Tensor:
-    """One full (padded) flat gradient from the parameters' gradients; None counts as zero."""
+    """One full (padded) flat gradient from the parameters' gradients; None counts as zero.
+
+    In a first-order backward whose gradients are not in the reduce dtype (mixed precision,
+    `comm_dtype`), the pieces are cast as they are concatenated: one flat copy in the
+    reduce dtype, not a flat copy in the gradients' dtype and then a cast of it, which held
+    both at once beside the pieces. (Differentiable backwards keep cat then cast.)"""
     flat = spec.flat
     like = next((g for g in grads if g is not None), None)
     dtype = like.dtype if like is not None else spec.gather_dtype
@@ -343,7 +358,67 @@ def _concat(grads: tuple[Tensor | None, ...], spec: GatherSpec) -> Tensor:
         pieces.append(torch.zeros(flat.padded_numel - flat.numel, dtype=dtype, device=device))
     if torch.compiler.is_dynamo_compiling():
         return torch.cat([p.reshape(-1) for p in pieces])
+    if dtype != spec.reduce_dtype and not torch.is_grad_enabled():
+        out = torch.empty(flat.padded_numel, dtype=spec.reduce_dtype, device=device)
+        return torch.cat([p.reshape(-1) for p in pieces], out=out)
     return torch._utils._flatten_dense_tensors(pieces)  # one C++ call: reshape each, cat
+
+
+# [Note: reducing in place]
+# A DDP bucket's all-reduce runs in place, in the flat gradient backward just made, saving
+# a second buffer of its size. But `_concat` makes nothing when a bucket holds one
+# parameter (no padding over a size-1 shard axis, no cast): the flat is a view of the
+# gradient autograd handed in, and autograd may have handed that same tensor to other
+# nodes too (`a + bias` with `bias` the shape of `a`: AddBackward gives both inputs one
+# tensor). An in-place all-reduce then averaged, across ranks and while still in flight,
+# a gradient the rest of backward went on reading: the layers below got wrong gradients.
+# Such a gradient is reduced in place only when nothing else holds its memory (`_alone`):
+# no other reference to it (the test torch's AccumulateGrad makes before it steals an
+# incoming gradient for `.grad`: a use count of one), and no other tensor on its storage
+# but, for a view, its base, itself held by nothing else. A matmul's gradient, or a sum
+# autograd made, passes (a linear layer's weight gradient is a transposed view of a
+# matmul's output); a gradient passed through unchanged to two inputs does not, and is
+# reduced into a copy. The counts are compared with those of a new tensor and of a view
+# of one (`_FRESH`), as this torch counts them, so a torch that counts other references
+# makes copies rather than write where it must not.
+def _alone(grads: tuple[Tensor | None, ...]) -> bool:
+    """Whether the only gradient in `grads` is referenced from nowhere but here (see
+    [Note: reducing in place]). False for several gradients: their flat is a new buffer."""
+    if len(grads) != 1 or grads[0] is None or torch.compiler.is_dynamo_compiling():
+        return False
+    g = grads[0]
+    base = g._base
+    if base is None:
+        return (g._use_count(), _storage_users(g)) == _FRESH[:2]
+    return (g._use_count(), _storage_users(g), base._use_count()) == _FRESH[2:]
+
+
+def _storage_users(t: Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _fresh_counts() -> tuple[int, ...]:
+    """The counts `_alone` reads, for a new tensor (its use count and its storage's) and
+    for a view of a new tensor (the view's, its storage's and its base's use count)."""
+    t = torch.empty(2, 2)
+    view = torch.empty(2, 2).t()
+    base = view._base
+    return (
+        t._use_count(),
+        _storage_users(t),
+        view._use_count(),
+        _storage_users(view),
+        base._use_count(),
+    )
+
+
+_FRESH = _fresh_counts()
+
+
+def _shares_memory(flat: Tensor, grads: tuple[Tensor | None, ...]) -> bool:
+    """Whether `flat` lies in the memory of one of the gradients it was made from."""
+    ptr = flat.untyped_storage().data_ptr()
+    return any(g is not None and g.untyped_storage().data_ptr() == ptr for g in grads)
 
 
 def _prepared(full: Tensor, spec: GatherSpec) -> Tensor:
@@ -541,9 +616,10 @@ class _Throttle:
         self.across: dict[int, tuple[Tensor, collectives.Pending]] = {}  # id of a result ->
         # (the result, its all-reduce across replicas in flight)
 
-    def issue(self, grad: Tensor, spec: GatherSpec) -> Tensor:
+    def issue(self, grad: Tensor, spec: GatherSpec, writable: bool = True) -> Tensor:
         """Start reducing `grad`; return the tensor the result will be in, to be read only
-        after `wait`."""
+        after `wait`. A DDP all-reduce writes into `grad` only if `writable` (see [Note:
+        reducing in place])."""
         self._finish_last()
         mesh, unit = spec.mesh, spec.flat.unit
         if not collectives.alone(mesh.shard_group):
@@ -552,7 +628,7 @@ class _Throttle:
             )
         elif spec.across_replicas:  # DDP: reduce in place in the buffer backward just made
             pending = collectives.all_reduce(
-                grad, mesh.replicate_group, "avg", inplace=True, what=unit
+                grad, mesh.replicate_group, "avg", inplace=writable, what=unit
             )
         else:
             return grad

@@ -320,7 +320,8 @@ class MetaStep:
                 call.finished.add(unit)
                 call.regathered.pop(unit, None)
         flat = self.layout.flats[i]
-        grad = _prepared(_concat(grads, flat, gather_dtype(self.mp, flat)), flat, self.mp)
+        full = _concat(grads, flat, gather_dtype(self.mp, flat), reduce_dtype(self.mp, flat))
+        grad = _prepared(full, flat, self.mp)
         if self.shard > 1:
             self.in_flight = None  # finishing the last reduce frees its input
             out = grad.new_empty(flat.shard_numel)
@@ -347,8 +348,11 @@ class _DryGather(torch.autograd.Function):
         return step.reduce(call, unit, i, grads), None
 
 
-def _concat(grads: tuple[Tensor | None, ...], flat: FlatLayout, dtype: torch.dtype) -> Tensor:
-    """One full (padded) flat gradient, as `funcshard.gather._concat` makes it."""
+def _concat(
+    grads: tuple[Tensor | None, ...], flat: FlatLayout, dtype: torch.dtype, reduce: torch.dtype
+) -> Tensor:
+    """One full (padded) flat gradient, as `funcshard.gather._concat` makes it: cast to the
+    reduce dtype as it is concatenated."""
     like = next((g for g in grads if g is not None), None)
     dtype = like.dtype if like is not None else dtype
     pieces = [
@@ -357,6 +361,9 @@ def _concat(grads: tuple[Tensor | None, ...], flat: FlatLayout, dtype: torch.dty
     ]
     if flat.padded_numel > flat.numel:
         pieces.append(torch.zeros(flat.padded_numel - flat.numel, dtype=dtype, device="meta"))
+    if dtype != reduce:
+        out = torch.empty(flat.padded_numel, dtype=reduce, device="meta")
+        return torch.cat(pieces, out=out)
     return torch.cat(pieces)
 
 
