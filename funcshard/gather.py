@@ -285,7 +285,8 @@ class _Gather(torch.autograd.Function):
             return None, _prepared(full, spec), None, None, None, None
         if deferring:
             grad = _prepared(full, spec)
-            writable = alone or not _shares_memory(grad, grads)
+            # several gradients were concatenated into a new buffer
+            writable = alone or len(grads) > 1 or not _shares_memory(grad, grads)
             return _THROTTLE.issue(grad, spec, writable), None, None, None, None, None
         grad = reduce(full, spec).to(ctx.shard_device, ctx.shard_dtype)  # offload: to the host
         return grad, None, None, None, None, None
