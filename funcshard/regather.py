@@ -11,7 +11,11 @@ before it in forward (a prefetch); the unit that ran last in forward keeps its b
 (`forward_done`), since backward needs it first. The regathered buffers are dropped when
 the backward of the unit's gather nodes starts (each gather calls the callback `on_backward`
 gave it, cheaper than a node pre-hook): by then the unit's backward is done, and the
-gather's backward reads no parameter. torch.func refuses saved-tensor hooks, so under its
+gather's backward reads no parameter. Frozen buffers are resharded too (autograd saves a
+frozen weight to compute its input's gradient, and LoRA's frozen base is most of a model):
+beside trainable ones they go with their unit; a unit with no trainable buffer has no
+gather node to say when its backward is done, so its regathered buffers are dropped when
+backward asks for another unit. torch.func refuses saved-tensor hooks, so under its
 transforms nothing is resharded (see `funcshard.sharded_call`).
 """
 
@@ -73,10 +77,14 @@ class Regather:
         it holds the bookkeeping weakly, so the graph keeps no buffer of the run alive."""
         return functools.partial(_gather_node_ran, self.weak, unit)
 
-    def track(self, unit: int, flat_index: int, full: Tensor | None) -> None:
-        """Count a gather node of `unit` just made (with `on_backward`), and recognize its
-        gathered buffer `full` in `pack` unless the unit stays gathered for the whole call."""
-        self.unfinished[unit] = self.unfinished.get(unit, 0) + 1
+    def track(
+        self, unit: int, flat_index: int, full: Tensor | None, gather_node: bool = True
+    ) -> None:
+        """Count a gather node of `unit` just made (with `on_backward`; a frozen buffer has
+        none), and recognize its gathered buffer `full` in `pack` unless the unit stays
+        gathered for the whole call."""
+        if gather_node:
+            self.unfinished[unit] = self.unfinished.get(unit, 0) + 1
         run = self.run
         if full is not None and unit not in run.binding.whole_call:
             position = run.binding.unit_flats[unit].index(flat_index)
@@ -134,7 +142,12 @@ class Regather:
         return flat.as_strided(packed.size, packed.stride, packed.offset)
 
     def gathered(self, unit: int) -> tuple[Tensor, ...]:
-        """A unit's buffers in backward, regathered (and the next unit's regather issued)."""
+        """A unit's buffers in backward, regathered (and the next unit's regather issued).
+        A unit without gather nodes (all frozen) tells no one when its backward is done, so
+        its buffers are dropped when backward asks for another unit (and regathered if it
+        comes back to it)."""
+        for frozen in [u for u in self.full if u != unit and u not in self.unfinished]:
+            del self.full[frozen]
         run = self.run
         if unit not in self.full:
             self.issue(unit)
@@ -172,8 +185,8 @@ class Regather:
             earlier = None
         if earlier is None or earlier in run.binding.whole_call:
             return None  # whole-call units stay gathered through backward
-        if earlier in self.finished or earlier in self.full:
-            return None
+        if earlier in self.finished or earlier in self.full or earlier in self.started:
+            return None  # done, here, or asked for before (a frozen unit dropped since)
         return earlier
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:

@@ -213,14 +213,14 @@ class _Run:
         params: list[Tensor] = []
         new_fulls = []
         regather = self.regather
+        tracked = regather is not None and grad  # frozen buffers too: autograd saves them
         for i, source in zip(flats, sources, strict=True):
             differentiable = self.differentiable[i] and grad
-            tracked = regather is not None and differentiable
-            on_backward = regather.on_backward(unit) if tracked else None
+            on_backward = regather.on_backward(unit) if tracked and differentiable else None
             views = self._gather(i, source, differentiable, on_backward)
             full = gather.gathered_buffer(views)
             if tracked:
-                regather.track(unit, i, full)
+                regather.track(unit, i, full, gather_node=differentiable)
             params.extend(views)
             new_fulls.append(full)
         self.full[unit] = tuple(new_fulls)
@@ -287,10 +287,9 @@ class _Run:
         if unit in self.binding.whole_call:
             return
         self._swap_out(unit)
-        differentiates = self.differentiates(unit)
-        if differentiates and not self.reshard:
+        if self.differentiates(unit) and not self.reshard:
             return  # kept gathered through backward (autograd holds its views anyway)
-        if differentiates and self.regather is not None:
+        if self.regather is not None:
             self.regather.release(unit, self.full[unit] or ())
         self.full[unit] = None
         self.params[unit] = None
