@@ -106,7 +106,9 @@ def bytes_sent(records: list[Record]) -> int:
 
 @contextlib.contextmanager
 def record() -> Iterator[list[Record]]:
-    """Collect every collective issued inside the block (size-1 groups issue none)."""
+    """Collect every collective issued inside the block (size-1 groups issue none), eagerly
+    or under make_fx; not those inside a torch.compile'd graph (see [Note: bookkeeping
+    outside compiled graphs])."""
     log: list[Record] = []
     _recording.append(log)
     try:
@@ -146,9 +148,9 @@ class Pending:
 
     def wait(self) -> Tensor:
         if not self._done:
-            chaos.point()
             try:  # a collective's failure (timeout, a peer gone) surfaces here
                 if self._work is not None:
+                    chaos.point()  # eager only: see [Note: bookkeeping outside compiled graphs]
                     self._work.wait()
                     self._work = self._input = None  # they hold the collective's tensors
                 else:
@@ -632,11 +634,36 @@ def all_reduced(tensor: Tensor, group: ProcessGroup, op: str = "avg") -> Tensor:
     return _ops.wait_tensor(_ops.all_reduce(tensor, op, group.group_name))
 
 
+# [Note: bookkeeping outside compiled graphs]
+# Every eager collective is counted (`_Issued`), recorded for `record()` and, on a checked
+# group, compared across ranks (`_agree`), all in Python beside the collective. Dynamo would
+# trace that Python once and guard the graph on what it read: on `_Issued.last[0]`, which
+# every collective advances, the guard failed on every call, so a compiled step that issued
+# one of these collectives itself (`fs.global_norm`, clipping, `fs.pmean`, check_finite)
+# was recompiled on every call, and after torch's recompile limit ran eagerly (or, with
+# fullgraph=True, raised). And what it did was true only of the trace, not of the runs: in
+# a compiled graph the collectives are the compiler's nodes, and no Python runs beside them.
+# So while torch compiles (`torch.compiler.is_compiling()`) none of it runs (nor the chaos
+# point of an eager wait): no counter, log or checked-group set is read or written while
+# a graph is traced, and nothing is guarded on them. (`alone` reads the test switch of
+# `communicate_alone` on purpose: it decides what the graph communicates, so a guard on it
+# is right.) The compiled call itself is counted instead, from outside the graph:
+# `funcshard.compile` marks its entry and exit (`entering_compiled`, `left_compiled`),
+# counting the collectives its graphs issued by the backend's sequence numbers. A
+# collective inside a compiled graph is thus neither in a `record()` log nor checked by
+# Mesh(check_collectives=True): run the step eagerly for those.
+
+
 class _Issued:
     """The last collective this process issued, numbered: (count, op, unit, numel, dtype,
-    group), one tuple so a reader on another thread never sees half of an update."""
+    group), one tuple so a reader on another thread never sees half of an update; for the
+    collectives of a call of a compiled step (see [Note: bookkeeping outside compiled
+    graphs]), op is "compiled", unit is (the step's name, the call's number) and numel how
+    many collectives it issued (None if uncounted). `inside`: (name, call number) of the
+    compiled call running now (None between calls), read apart from `last`."""
 
-    last: tuple[int, str, str | None, int, torch.dtype, ProcessGroup] | None = None
+    last: tuple[int, str, Any, int | None, torch.dtype | None, ProcessGroup | None] | None = None
+    inside: tuple[str, int] | None = None
 
 
 def unit_words(what: str | None, preposition: str = "of") -> str:
@@ -650,27 +677,62 @@ def unit_words(what: str | None, preposition: str = "of") -> str:
 def last_issued() -> str:
     """The last collective funcshard issued in this process, numbered, in words ("none yet"
     before the first): compared across ranks, it shows where their sequences parted."""
-    last = _Issued.last
-    if last is None:
-        return "none yet"
-    count, op, what, numel, dtype, group = last
-    unit = unit_words(what)
+    last, inside = _Issued.last, _Issued.inside
+    words = "none yet" if last is None else _issued_words(*last)
+    if inside is not None:
+        name, call = inside
+        words += f"; then call {call} of compiled step {name!r}, which has not returned"
+    return words
+
+
+def _issued_words(
+    count: int,
+    op: str,
+    what: Any,
+    numel: int | None,
+    dtype: torch.dtype | None,
+    group: ProcessGroup | None,
+) -> str:
+    if op == "compiled":
+        name, call = what
+        n = "its collectives (uncounted)" if numel is None else f"its {numel} collectives"
+        return f"#{count}, the last of {n} in call {call} of compiled step {name!r}"
     try:
         ranks = f" over ranks {dist.get_process_group_ranks(group)}"
     except Exception:  # the group was destroyed since
         ranks = ""
-    return f"#{count}, {op}{unit}{ranks}: {numel} x {dtype}"
+    return f"#{count}, {op}{unit_words(what)}{ranks}: {numel} x {dtype}"
 
 
 def reset_issued() -> None:
     """Number collectives from 1 again (the test runner does, per task, so that the ranks'
     numbers compare)."""
     _Issued.last = None
+    _Issued.inside = None
+
+
+def entering_compiled(name: str, call: int) -> None:
+    """Mark call number `call` of the compiled step `name` as running (until
+    `left_compiled`): a rank stuck inside its graph then says so in `last_issued`."""
+    _Issued.inside = (name, call)
+
+
+def left_compiled(name: str, call: int, issued: int | None) -> None:
+    """Count call `call` of the compiled step `name` as returned, having issued `issued`
+    collectives inside its graphs (None: not known) after the ones counted before it."""
+    last = _Issued.last
+    count = (last[0] if last is not None else 0) + (issued or 0)
+    if issued != 0:
+        _Issued.last = (count, "compiled", (name, call), issued, None, None)
+    _Issued.inside = None
 
 
 def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str | None) -> None:
     """Count the collective as the last issued, record it for `record()` and, on a checked
-    group, compare it across ranks."""
+    group, compare it across ranks. None of it while torch compiles (see [Note: bookkeeping
+    outside compiled graphs])."""
+    if torch.compiler.is_compiling():
+        return
     chaos.point()
     count = _Issued.last[0] + 1 if _Issued.last is not None else 1
     _Issued.last = (count, op, what, tensor.numel(), tensor.dtype, group)

@@ -63,7 +63,11 @@ def check(loss: Tensor, grads: Any) -> None:
         names = list(grads.grads if isinstance(grads, LocalGrads) else grads)
     if isinstance(grads, ShardedGrads | LocalGrads):
         mesh = grads.layout.mesh
-        rows = collectives.all_gather_ints(flags.tolist(), mesh.group)
+        # the flags tensor itself is gathered, and read once: under torch.compile that is
+        # one collective in the graph and one break, after it (see [Note: bookkeeping
+        # outside compiled graphs] in funcshard/collectives.py)
+        every = collectives.all_gather(flags.to(mesh.device), mesh.group, what="<non-finite check>")
+        rows = every.wait().view(-1, flags.numel()).tolist()
         ranks = list(mesh.ranks)
     else:
         rows, ranks = [flags.tolist()], [0]
