@@ -97,7 +97,7 @@ def _recipe_step(check_finite: bool, rank: int) -> dict:
 def test_a_step_with_every_recipe_compiles_once_and_trains_like_the_eager_step(check_finite):
     """Each collective funcshard issued while dynamo traced advanced a module-level counter
     that dynamo guarded on, so a step with clipping, global_norm or pmean was compiled
-    again on every call (graphs per call [1, 1, 1, 1]; check_finite [4, 1, 1, 1]) and, past
+    again on every call (graphs per call [1, 1, 1, 1]; with check_finite [4, 2, 2, 2]) and, past
     torch's recompile limit, ran eagerly or, with fullgraph=True, raised."""
     results = testing.run(functools.partial(_recipe_step, check_finite), 2, timeout=240)
     for r in results:
