@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -59,7 +61,11 @@ _active: Chaos | None = None
 
 
 def point() -> None:
-    """A place where timing may differ between ranks: under chaos, maybe wait or collect."""
+    """A place where timing may differ between ranks: under chaos, maybe wait or collect.
+    Nothing while torch compiles: a traced read of `_active` would guard the graph on it
+    (see [Note: bookkeeping outside compiled graphs] in collectives.py)."""
+    if torch.compiler.is_compiling():
+        return
     if _active is not None:
         _active.hit()
 

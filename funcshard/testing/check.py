@@ -16,14 +16,15 @@ replays last is the smallest failure found. Each configuration runs once: result
 by configuration, so hypothesis's repeated and replayed examples cost nothing.
 
 Hypothesis draws 20 times `examples` configurations, but only `examples` of them run: first
-one per mesh not yet checked (1 rank, FSDP, HSDP, DDP at each world size), then one per
-combination of mesh, policy, resharding and precision not yet checked; the rest count as
-passing without running. So a few examples cover the meshes, which hypothesis's own choice
-(it favours the first and last option) would not. Once a failure is found, at most
-`shrink_budget` new configurations run while shrinking, the others again counting as
-passing, so the smallest failure reported is always one that really failed. `seed` fixes
-the examples drawn; with a hypothesis `database` instead (hypothesis saves nothing from a
-seeded run), the failures saved by earlier checks are replayed first.
+one per mesh not yet checked (1 rank, FSDP, HSDP, DDP at each world size), each with recipe
+switches no earlier one had, then one per combination of mesh, policy, resharding,
+precision and recipe not yet checked; the rest count as passing without running. So a few
+examples cover the meshes, which hypothesis's own choice (it favours the first and last
+option) would not. Once a failure is found, at most `shrink_budget` new configurations run
+while shrinking, the others again counting as passing, so the smallest failure reported is
+always one that really failed. `seed` fixes the examples drawn; with a hypothesis
+`database` instead (hypothesis saves nothing from a seeded run), the failures saved by
+earlier checks are replayed first.
 """
 
 from __future__ import annotations
@@ -136,7 +137,10 @@ def check(
     micro = (1, 2) if axes.micro_batches and _splits(case, [2 * w for w in worlds]) else (1,)
     start = time.monotonic()
     search = _Search(case, worlds, examples, shrink_budget, timeout, progress)
+    search.recipes = axes != Axes.none()
     _explore(search, worlds, mixed_precision, axes, micro, examples, seed, database)
+    if search.failing:
+        _simplify(search)
     report = Report(
         results=tuple(r for results in search.results.values() for r in results),
         smallest=search.failing[-1] if search.failing else None,
@@ -256,6 +260,7 @@ class _Search:
         self.failing: list[Config] = []
         self.notes: list[str] = []
         self.shrunk = 0
+        self.recipes = False  # whether recipe switches are drawn (each mesh then its own)
 
     def examine(self, config: Config) -> None:
         """Check `config` (once); raise `_Failed` if it breaks a law."""
@@ -282,8 +287,9 @@ class _Search:
         if len(self.results) >= self.examples:
             return False
         seen = {c.mesh_name for c in self.results}
-        if seen < self.meshes:
-            return config.mesh_name not in seen
+        if seen < self.meshes:  # each mesh with a combination of recipe switches of its own
+            recipes = {c.recipe for c in self.results} if self.recipes else set()
+            return config.mesh_name not in seen and config.recipe not in recipes
         return _kind(config) not in {_kind(c) for c in self.results}
 
     def _check(self, config: Config) -> list[LawResult]:
@@ -339,6 +345,37 @@ def _kind(config: Config) -> tuple:
 
 class _Failed(Exception):
     """A configuration broke a law (what fails the inner hypothesis test)."""
+
+
+# What `_simplify` tries, in order: the seed, then each recipe switch at its simplest.
+_SIMPLEST = (
+    {"seed": 0},
+    {"compiled": False},
+    {"comm": False},
+    {"micro_batches": 1},
+    {"checkpointing": False},
+    {"frozen": False},
+    {"groups": False},
+    {"schedule": False},
+    {"clip": False},
+)
+
+
+def _simplify(search: _Search) -> None:
+    """Finish shrinking where hypothesis's budget ran out: try the smallest failure with the
+    seed 0 and each recipe switch off, one at a time, keeping each change under which it
+    still fails. With eight switches to turn off, hypothesis's own shrinking seldom gets
+    to them all within a small budget; this costs at most one run per switch."""
+    config = search.failing[-1]
+    for change in _SIMPLEST:
+        simpler = dataclasses.replace(config, **change)
+        if simpler == config:
+            continue
+        if simpler not in search.results:
+            search.results[simpler] = search._check(simpler)
+        if any(r.failed for r in search.results[simpler]):
+            config = simpler
+            search.failing.append(config)
 
 
 def _explore(
@@ -413,6 +450,7 @@ def configurations(
 
     @st.composite
     def draw_config(draw: st.DrawFn) -> Config:
+        seed = draw(st.integers(0, 99))  # first: shrinking reaches 0 within a small budget
         mesh = draw(meshes(worlds))
         ddp = mesh.shard == 1 and mesh.replicate > 1 and draw(st.booleans())
         reshard: bool | int = not ddp
@@ -432,7 +470,7 @@ def configurations(
             policy="buckets" if ddp else draw(st.sampled_from(policies)),
             reshard_after_forward=reshard,
             mp=draw(st.sampled_from(precisions)),
-            seed=draw(st.integers(0, 99)),
+            seed=seed,
             resume_world=draw(st.sampled_from(others)),
             checkpointing=switch(on.checkpointing),
             frozen=switch(on.frozen),
