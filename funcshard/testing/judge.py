@@ -136,7 +136,7 @@ def judge_parity(case: Case, config: Config, observed: list, resumed: Any) -> La
             pairs = [(fqn, o["run"]["final"][fqn], v) for fqn, v in reference["final"].items()]
         else:
             pairs = [(fqn, o["run"]["final"][fqn], v) for fqn, v in reference["final"].items()]
-        buffers = reference["buffers"][rank if batch_stats else 0]
+        buffers = reference["buffers"][rank if len(reference["buffers"]) > 1 else 0]
         pairs += [(f"buffer {k}", o["run"]["buffers"][k], v) for k, v in buffers.items()]
         for name, ours, theirs in pairs:
             error = tensor_error(ours, theirs, limits.floor)

@@ -27,6 +27,14 @@ same helpers turn each switch on for the sharded run and for the reference:
 
 The block structure is found, not declared (`blocks`): a model without a `ModuleList`
 checkpoints and freezes nothing, and its configurations are the plain ones.
+
+Refused by design, each with an error that names the cause (so never drawn):
+- a user `Comm` on a mesh whose shard axis has one rank (DDP, HSDP R x 1): its gather and
+  reduce would never run (ValueError; tests/test_comm.py);
+- `fs.compile(..., fullgraph=True)` of a step whose checkpointed blocks torch cannot
+  recompute inside one graph (random ops, attention): ValueError naming the modules
+  (tests/test_compile_recipes.py). Without `fullgraph` such a step compiles with one
+  graph break and equals eager, which is what `compiled` draws.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ recomputes checkpointed blocks with the dict's tensors) and the `torch.optim` op
 that funcshard's own follows, with the configuration's parameter groups, schedule and
 clipping (recipe.py). A model with batch statistics (BatchNorm) runs each rank's
 micro-batch on its own and averages the gradients, as data parallelism without
-SyncBatchNorm does, and keeps each rank's buffers (running statistics) apart; with
+SyncBatchNorm does, and keeps each rank's buffers (running statistics) apart (so does a
+mixed-precision run: each micro-batch's gradient is rounded in the low dtype); with
 accumulation, each step runs as many micro-batches as each rank does, a rank's buffers
 threaded through its own. With mixed precision it computes as the sharded run does: in the
 low dtype, on a low-precision copy of fp32 master parameters (DDP's compressed all-reduce
@@ -56,10 +57,12 @@ def reference(
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     params = {k: v.detach().clone().requires_grad_(k in trainable) for k, v in full.items()}
     opt = torch_optimizer(case, config, params)
-    # as many forwards per step as each rank runs (a buffer may count them), per rank with
-    # batch statistics
-    ranks, micro = (config.world if batch_stats else 1), config.micro_batches
     low = MP[config.mp] if config.mp is not None and not config.ddp else None
+    # as many forwards per step as each rank runs (a buffer may count them); the ranks'
+    # own micro-batches where their grouping changes the numbers: batch statistics, or
+    # low-precision compute (each micro-batch's gradient rounded in the low dtype)
+    ranks = config.world if batch_stats or low is not None else 1
+    micro = config.micro_batches
     rank_buffers = [dict(buffers) for _ in range(ranks)]
     losses = []
     for step in range(case.steps):

@@ -54,7 +54,7 @@ def save(
     micro-batches of `config.resume_world` ranks."""
     fs.checkpoint.save(path, state, opt_state, step=at)
     inputs, targets = global_batch(case, config, at)
-    parts = config.resume_world
+    parts = config.resume_world * config.micro_batches  # every micro-batch it will run
     with torch.no_grad():  # every rank runs every micro-batch: calls communicate
         losses = [
             case.loss_fn(call(model, state, split(inputs, i, parts)), split(targets, i, parts))
