@@ -1,4 +1,5 @@
-"""Hypothesis profiles shared by tests/ and property_tests/: HYPOTHESIS_PROFILE=dev|ci."""
+"""Hypothesis profiles shared by tests/ and property_tests/: HYPOTHESIS_PROFILE=dev|ci|long
+(long: what scripts/stress.sh runs, the recipe property test with 200 configurations)."""
 
 import os
 
@@ -14,5 +15,8 @@ settings.register_profile(
     derandomize=True,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "long", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))

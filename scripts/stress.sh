@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The soak and chaos tests, N times, with K CPU-bound hog processes beside them: a line per
-# repetition (pass or fail, seconds), then a summary. Not part of CI (it takes N x minutes).
-# A crashed rank fails its repetition: the suite's rerun of such tests is off here.
-#   bash scripts/stress.sh [N=10] [K=2] [pytest args, default: the soak and chaos tests]
+# The soak and chaos tests and the recipe property test (HYPOTHESIS_PROFILE=long: 200
+# drawn combinations of features), N times, with K CPU-bound hog processes beside them: a
+# line per repetition (pass or fail, seconds), then a summary. Not part of CI (it takes N x
+# minutes). A crashed rank fails its repetition: the suite's rerun of such tests is off here.
+#   bash scripts/stress.sh [N=10] [K=2] [pytest args, default: the tests above]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-10}
 k=${2:-2}
 shift $(( $# < 2 ? $# : 2 ))
 tests=("$@")
-[ ${#tests[@]} -eq 0 ] && tests=(tests/test_soak.py tests/test_chaos.py)
+[ ${#tests[@]} -eq 0 ] && tests=(tests/test_soak.py tests/test_chaos.py property_tests/test_recipes_props.py)
+export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-long}
 EXTRAS=test source scripts/env.sh
 hogs=()
 for _ in $(seq 1 "$k"); do

@@ -25,6 +25,7 @@ import funcshard as fs
 from funcshard.testing.harness import (
     Case,
     Config,
+    Step,
     bitwise,
     build,
     call,
@@ -89,8 +90,9 @@ def resume(case: Case, config: Config, path: str, saved: dict[str, Any], rank: i
         problems = _differences("loaded", _unsharded(loaded, loaded_opt), saved)
         direct = fs.reshard(state, saved["params"]).replace(buffers=buffers)
         direct_opt = _with_moments(direct, fresh, saved["moments"])
-        ours = _continue(case, config, model, loaded, opt, loaded_opt, at)
-        theirs = _continue(case, config, model, direct, opt, direct_opt, at)
+        step = make_step(case, config, model, opt)  # one compiled step for both
+        ours = _continue(case, config, step, loaded, loaded_opt, at)
+        theirs = _continue(case, config, step, direct, direct_opt, at)
         problems += _differences("continued", ours, theirs)
         return {
             "problems": problems,
@@ -111,17 +113,10 @@ def _one_of(candidates: list[dict[str, Tensor]], buffers: dict[str, Tensor]) -> 
 
 
 def _continue(
-    case: Case,
-    config: Config,
-    model: nn.Module,
-    state: fs.ShardedState,
-    opt: fs.optim.Optimizer,
-    opt_state: Any,
-    at: int,
+    case: Case, config: Config, step: Step, state: fs.ShardedState, opt_state: Any, at: int
 ) -> dict[str, Any]:
-    """Train from step `at` to the end; the losses, and the state unsharded."""
+    """Train from step `at` to the end with `step`; the losses, and the state unsharded."""
     losses = []
-    step = make_step(case, config, model, opt)
     for s in range(at, case.steps):
         inputs, targets = local_batch(case, config, s, state.layout.mesh)
         loss, state, opt_state = step(state, opt_state, inputs, targets)
