@@ -279,7 +279,7 @@ class _Gather(torch.autograd.Function):
             and _may_defer(ctx.deferred)
         )
         # see [Note: reducing in place]; asked before _concat makes a view of the gradient
-        alone = deferring and _alone(grads)
+        alone = deferring and not torch.compiler.is_dynamo_compiling() and _alone(grads)
         full = _concat(grads, spec)
         if spec.reduction == "none":
             return None, _prepared(full, spec), None, None, None, None
@@ -382,10 +382,13 @@ def _concat(grads: tuple[Tensor | None, ...], spec: GatherSpec) -> Tensor:
 # reduced into a copy. The counts are compared with those of a new tensor and of a view
 # of one (`_FRESH`), as this torch counts them, so a torch that counts other references
 # makes copies rather than write where it must not.
+@torch.compiler.disable
 def _alone(grads: tuple[Tensor | None, ...]) -> bool:
     """Whether the only gradient in `grads` is referenced from nowhere but here (see
-    [Note: reducing in place]). False for several gradients: their flat is a new buffer."""
-    if len(grads) != 1 or grads[0] is None or torch.compiler.is_dynamo_compiling():
+    [Note: reducing in place]). False for several gradients: their flat is a new buffer.
+    Never traced (callers skip it while dynamo traces): dynamo, running the eager part of
+    a compiled step, recompiled its reference-count reads once per tensor rank."""
+    if len(grads) != 1 or grads[0] is None:
         return False
     g = grads[0]
     base = g._base

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 import os
 import pickle
@@ -139,8 +140,6 @@ def check(
     search = _Search(case, worlds, examples, shrink_budget, timeout, progress)
     search.recipes = axes != Axes.none()
     _explore(search, worlds, mixed_precision, axes, micro, examples, seed, database)
-    if search.failing:
-        _simplify(search)
     report = Report(
         results=tuple(r for results in search.results.values() for r in results),
         smallest=search.failing[-1] if search.failing else None,
@@ -418,8 +417,11 @@ def _explore(
     # digest hypothesis would use: every check would replay every model's failures)
     key = repr((_name(search.case.make_model), worlds, policies, precisions, axes)).encode()
     laws_hold._hypothesis_internal_database_key = hashlib.sha256(key).digest()
+    simplest = hashlib.sha256(key + b" simplified").digest()  # `_simplify`'s, saved by us
     if database is None:  # hypothesis saves nothing from a seeded run
         seeded(seed)(laws_hold)
+    else:
+        _replay(search, database.fetch(simplest))
     try:
         laws_hold()
     except _Failed:
@@ -427,6 +429,22 @@ def _explore(
     except Flaky:  # a replay that did not fail again: the failures are recorded all the same
         if not search.failing:
             raise
+    if search.failing:
+        _simplify(search)
+        if database is not None:
+            database.save(simplest, json.dumps(dataclasses.asdict(search.failing[-1])).encode())
+
+
+def _replay(search: _Search, saved: Any) -> None:
+    """Check first the smallest failures `_simplify` saved in the database (hypothesis
+    replays only its own)."""
+    for blob in saved:
+        try:
+            config = Config(**json.loads(blob))
+        except (ValueError, TypeError):  # another version's: nothing to replay
+            continue
+        with contextlib.suppress(_Failed):
+            search.examine(config)
 
 
 def configurations(
