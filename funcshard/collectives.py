@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed import ProcessGroup
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from funcshard import chaos
+from funcshard import chaos, progress
 
 _ops = torch.ops._c10d_functional
 
@@ -151,7 +151,9 @@ class Pending:
             try:  # a collective's failure (timeout, a peer gone) surfaces here
                 if self._work is not None:
                     chaos.point()  # eager only: see [Note: bookkeeping outside compiled graphs]
+                    progress.Here.waiting = (self._op, self._what)
                     self._work.wait()
+                    progress.Here.waiting = None
                     self._work = self._input = None  # they hold the collective's tensors
                 else:
                     with _below_autograd():
@@ -736,6 +738,8 @@ def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str | None) -> N
     chaos.point()
     count = _Issued.last[0] + 1 if _Issued.last is not None else 1
     _Issued.last = (count, op, what, tensor.numel(), tensor.dtype, group)
+    if progress.Here.store is None:
+        _publish_progress()
     if _recording:
         entry = Record(op, tuple(dist.get_process_group_ranks(group)), tensor.numel(), tensor.dtype)
         for log in _recording:
@@ -747,19 +751,39 @@ def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str | None) -> N
 def _failed(
     op: str, group: ProcessGroup | None, what: str | None, cause: BaseException
 ) -> CollectiveError:
+    progress.Here.waiting = None
     ranks = dist.get_process_group_ranks(group) if group is not None else "?"
     unit = unit_words(what)
     first = first_failure()
     first = f"First failure (recorded by fs.fail_fast): {first}.\n" if first else ""
+    count = _Issued.last[0] if _Issued.last is not None else 0
+    others = progress.report(ranks, count) if isinstance(ranks, list) else ""
+    others = f"Where the other ranks are (their progress records):\n{others}\n" if others else ""
     return CollectiveError(
         f"rank {dist.get_rank()}: {op}{unit} over ranks {ranks} did not complete: {cause}\n"
-        f"{first}The last funcshard collective this rank issued: {last_issued()}.\n"
+        f"{first}The last funcshard collective this rank issued: {last_issued()}.\n{others}"
         f"The other ranks of the group did not join it in time: one died or hung, or the "
         f"ranks took different paths (e.g. batch shapes that change which units run). "
         f"Mesh(timeout=...) bounds the wait; Mesh(check_collectives=True) (or "
         f"FUNCSHARD_CHECK_COLLECTIVES=1) compares every collective across ranks first and "
         f"names the first that differs."
     )
+
+
+def _publish_progress() -> None:
+    """Start publishing this rank's progress in the default store (see [Note: naming the
+    rank that is behind]); the first collective does, once per process group."""
+    with contextlib.suppress(Exception):  # no default group or store: nothing to publish to
+        progress.start(_default_store(), dist.get_rank())
+
+
+def _progress_source() -> tuple[int, str] | None:
+    """The last collective's count and words, for the progress writer."""
+    last = _Issued.last
+    return None if last is None else (last[0], last_issued())
+
+
+progress.watch(_progress_source)
 
 
 def record_failure(what: str) -> str | None:

@@ -1,0 +1,156 @@
+"""Each rank's progress, where the other ranks can read it without a collective.
+
+[Note: naming the rank that is behind]
+A collective that times out on gloo tells the waiting rank only that the others did not
+come ("Timed out waiting 10000ms for send operation"): not which rank is missing, nor where
+it is. So each rank publishes its progress in the process group's store (the key-value
+store every rank already reaches: torchrun's, or the one `init_process_group` made), and a
+rank whose collective fails reads every rank's before it raises:
+
+- what: the count, op and unit of the last funcshard collective the rank issued (what
+  `collectives.last_issued` says; a compiled step counts as its call, "inside compiled
+  step k" while it runs), whether it is waiting in a collective right now, and when that
+  last changed;
+- who writes: a daemon thread per process, every `INTERVAL` seconds, and only when
+  something changed. Nothing runs per collective but two attribute writes around a wait
+  (`waiting`), so the cost per collective is what `_before` already pays (see
+  benchmarks/progress.py);
+- leaving: `fs.shutdown()` and the interpreter's exit write the rank's record at once, as
+  "left", so a rank that ran out of data and shut down is named as gone, not as slow.
+
+From the records, the failing rank says, for each other rank of the group: the last
+collective it issued and how long ago, and whether it is waiting in one ("waiting in
+#41 all_gather of unit 'blocks.1'"), not in any (user code, or a hang outside funcshard),
+gone, or without a record (never started, or the store went with rank 0). A rank whose
+count is below this rank's never entered the collective that failed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+INTERVAL = 1.0  # seconds between a rank's writes: the age of what others read at worst
+
+Source = Callable[[], tuple[int, str] | None]  # (count, last collective in words)
+
+
+class Here:
+    """This process's progress as the writer thread sees it."""
+
+    source: Source | None = None  # what collectives registered: the last collective
+    rank: int | None = None
+    store: Any = None
+    waiting: tuple[str, str | None] | None = None  # (op, unit) a wait is blocked in
+    left: str | None = None  # why the rank left, once it did
+    thread: threading.Thread | None = None
+    written: tuple | None = None  # what was written last, and when it changed
+    changed: float = 0.0
+
+
+def watch(source: Source) -> None:
+    """Read the last collective from `source` (collectives registers it at import)."""
+    Here.source = source
+
+
+def start(store: Any, rank: int) -> None:
+    """Publish this rank's progress in `store` from now on (once per process and store)."""
+    if Here.store is store and Here.thread is not None and Here.thread.is_alive():
+        return
+    Here.store, Here.rank, Here.left, Here.written = store, rank, None, None
+    _write()
+    if Here.thread is None or not Here.thread.is_alive():
+        Here.thread = threading.Thread(target=_loop, name="funcshard-progress", daemon=True)
+        Here.thread.start()
+
+
+def leaving(reason: str) -> None:
+    """Mark this rank as gone (`reason`: "fs.shutdown()", "the process exited"), at once."""
+    if Here.store is not None and Here.left is None:
+        Here.left = reason
+        _write()
+
+
+def _loop() -> None:
+    while Here.left is None:
+        time.sleep(INTERVAL)
+        _write()
+
+
+def _snapshot() -> tuple:
+    last = Here.source() if Here.source is not None else None
+    return (last, _words(Here.waiting), Here.left)
+
+
+def _words(waiting: tuple[str, str | None] | None) -> str | None:
+    if waiting is None:
+        return None
+    op, unit = waiting
+    if unit is None:
+        return op
+    return f"{op} of the root unit" if unit == "" else f"{op} of unit {unit!r}"
+
+
+def _write() -> None:
+    """Write the record if it changed (a store round trip; on the writer thread)."""
+    now = _snapshot()
+    if now == Here.written:
+        return
+    Here.written, Here.changed = now, time.time()
+    last, waiting, left = now
+    record = {
+        "count": last[0] if last else 0,
+        "last": last[1] if last else "none yet",
+        "waiting": waiting,
+        "left": left,
+        "since": Here.changed,
+        "pid": os.getpid(),
+    }
+    with contextlib.suppress(Exception):  # the store went with the rank hosting it
+        Here.store.set(_key(Here.rank), json.dumps(record))
+
+
+def _key(rank: int | None) -> str:
+    # per elastic restart: torchrun's store outlives a round
+    return f"funcshard/progress/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+def report(ranks: list[int], count: int) -> str:
+    """Where each of `ranks` (other than this one) is, in words, one line each, read from
+    the store without waiting for a missing record; `count` is this rank's last count."""
+    store, lines = Here.store, []
+    if store is None:
+        return ""
+    for rank in ranks:
+        if rank == Here.rank:
+            continue
+        lines.append(f"rank {rank}: {_where(store, rank, count)}")
+    return "\n".join(lines)
+
+
+def _where(store: Any, rank: int, count: int) -> str:
+    try:
+        key = _key(rank)
+        if not store.check([key]):
+            return "no progress record (it never got this far, or the store is gone)"
+        record = json.loads(store.get(key))
+    except Exception:
+        return "no progress record readable (the store went with the rank hosting it?)"
+    ago = f"{max(0.0, time.time() - record['since']):.0f} s ago"
+    if record["left"]:
+        return f"left ({record['left']}) {ago}; its last collective: {record['last']}"
+    if record["waiting"]:
+        state = f"waiting in {record['waiting']} since {ago}"
+    else:
+        state = f"not in any funcshard collective since {ago} (in user code, or gone)"
+    behind = ", behind this rank" if record["count"] < count else ""
+    return f"last collective {record['last']}{behind}; {state}"
+
+
+atexit.register(leaving, "the process exited")
