@@ -1,8 +1,13 @@
 """A rank whose collective times out names the ranks that are behind and where they are
 (funcshard/progress.py, [Note: naming the rank that is behind])."""
 
+import os
+import re
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +80,19 @@ def test_a_rank_waiting_in_another_collective_is_named_with_it():
     message = str(caught.value)
     assert "rank 1: last collective #3, all_gather of unit 'blocks.3'" in message, message
     assert "waiting in all_gather of unit 'blocks.3'" in message, message
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_a_rank_in_user_code_is_named_within_the_timeout():
+    script = Path(__file__).parent / "scripts" / "torchrun_behind.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=100, env=env)
+    assert out.returncode != 0
+    err = out.stderr
+    assert "rank 0: all_reduce" in err and "did not complete" in err, err[-3000:]
+    assert re.search(
+        r"rank 1: last collective #1, all_reduce .* behind this rank; not in any "
+        r"funcshard collective since \d s ago",
+        err,
+    ), err[-3000:]
