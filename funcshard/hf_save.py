@@ -8,12 +8,13 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from funcshard import collectives
+from funcshard import collectives, waits
 from funcshard.hf import INDEX, SAVE, SHARD_FILE, WEIGHTS, agree_on_failure, check_state
 from funcshard.state import ShardedState, ensure_live
 from funcshard.transforms import unshard
@@ -35,8 +36,13 @@ def save_hf(
     (see [Note: Hugging Face checkpoints]). The mesh's first rank writes, holding one file
     and one unit at most; every rank raises if it fails.
 
-    Communicates: one all-gather per flat buffer, one unit at a time, and two all-gathers
-    of a flag over the mesh (the second is where the other ranks wait for the writes).
+    While the first rank writes a file, the others wait for it for at most `WRITE_TIMEOUT`
+    (one hour a file), not the mesh's timeout: through the process group's store (see
+    [Note: waits long by nature]), before their next collective.
+
+    Communicates: one all-gather per flat buffer, one unit at a time, a wait through the
+    store after each unit that completes a file and at the end, and two all-gathers of a
+    flag over the mesh.
     """
     check_state(state, "state", SAVE)
     ensure_live(state, "checkpoint.save_hf")
@@ -51,18 +57,53 @@ def save_hf(
     if writer is not None:
         writer.prepare(config, config_text)
     agree_on_failure(writer.report() if writer else None, group, SAVE)
-    for unit in layout.units:
+    writes = _writes_after(state, files)
+    for unit, writes_a_file in zip(layout.units, writes, strict=True):
         gathered = unshard(state, units=[unit])
         if writer is not None:
             writer.add(gathered)
         del gathered  # the next unit's gather may reuse its memory
+        if writes_a_file:
+            _wait_for_the_writer(group)
     if writer is not None:
         persistent = set(layout.state_dict_keys or state.buffers)
         writer.add({f: state.replicated[f] for f in layout.replicated})
         writer.add({n: b for n, b in state.buffers.items() if n in persistent})
         writer.commit()
+    _wait_for_the_writer(group)
     agree_on_failure(writer.report() if writer else None, group, SAVE)
     return root
+
+
+WRITE_TIMEOUT = timedelta(hours=1)  # one file of max_shard_size bytes (5 GB: 1.4 MB/s)
+
+
+def _writes_after(state: ShardedState, files: dict[str, list[str]]) -> list[bool]:
+    """For each unit, in order: whether the first rank writes a file once it has that
+    unit's parameters (the same on every rank: the files are planned alike everywhere)."""
+    layout = state.layout
+    have: set[str] = set()
+    done: set[str] = set()
+    writes = []
+    for unit in layout.units:
+        have.update(f for flat in layout.flats if flat.unit == unit for f in flat.fqns)
+        complete = {name for name, keys in files.items() if have.issuperset(keys)}
+        writes.append(bool(complete - done))
+        done |= complete
+    return writes
+
+
+def _wait_for_the_writer(group: Any) -> None:
+    """Wait, with a bound of its own, while the mesh's first rank writes (see
+    [Note: waits long by nature]); a collective would wait only the mesh's timeout."""
+    waits.every_rank_arrives(
+        "save_hf",
+        collectives.group_ranks(group),
+        WRITE_TIMEOUT,
+        SAVE,
+        "The first rank of the mesh writes the files; one that has not arrived is still "
+        "writing (a slow file system) or gone.",
+    )
 
 
 def _size_in_bytes(size: int | str) -> int:

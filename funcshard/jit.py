@@ -79,6 +79,14 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
     `torch.autograd.grad`, with the same results, and with `fullgraph=True` raises
     `ValueError` naming those modules (see [Note: activation checkpointing in a compiled
     step]).
+
+    A cold compile and the mesh's timeout: every rank compiles the step at its first call,
+    so a collective in it waits only for the difference between the ranks' compile times,
+    bounded by the mesh's timeout (10 minutes by default). Where that difference can be
+    longer (a compile cache warm on some nodes only, max-autotune on a large model), give
+    the mesh a longer `timeout` or set FUNCSHARD_TIMEOUT. There is deliberately no barrier
+    after compiling: a recompile on one rank alone (its last batch shorter) would wait there
+    for ranks that never compile.
     """
     if fn is None:
         return functools.partial(compile, **options)

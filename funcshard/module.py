@@ -28,6 +28,28 @@ from funcshard.tree import format_names, join_fqn
 Params = dict[str, Tensor]
 
 
+def check_module(value: object, where: str, argument: str = "model") -> None:
+    """Raise TypeError, naming `argument` and what it takes, unless `value` is a module
+    instance (checked on every rank before any collective)."""
+    if isinstance(value, nn.Module):
+        return
+    if isinstance(value, type) and issubclass(value, nn.Module):
+        got = f"the class {value.__name__} itself"
+        fix = f"Build the model first, e.g. {value.__name__}(config), and pass the instance."
+    elif isinstance(value, Mapping):
+        keys = format_names([str(k) for k in value])
+        got = f"a {type(value).__name__} (keys {keys})"
+        fix = (
+            "Pass the module whose parameters these are; to build a state from a state dict, "
+            "shard a model built on the meta device and load it with "
+            "funcshard.checkpoint.load or load_hf."
+        )
+    else:
+        got = f"{type(value).__name__} {value!r:.60}"
+        fix = "Pass the model as an nn.Module."
+    raise TypeError(f"{where}: {argument} must be a torch.nn.Module instance, got {got}. {fix}")
+
+
 def extract(model: nn.Module) -> tuple[Params, Params]:
     """Return `(params, buffers)`: dicts FQN -> tensor, detached from the module.
 

@@ -281,11 +281,36 @@ def _lr_at(lr: LearningRate, done: Tensor) -> float:
 
 
 def _check_rates(where: str, lr: LearningRate, **rates: float) -> None:
-    if not callable(lr) and not (isinstance(lr, int | float) and lr >= 0):
-        raise ValueError(f"funcshard.optim.{where}: lr must be >= 0 or a callable, got {lr!r}.")
+    """torch.optim's checks of its hyperparameters, with messages that name them; on every
+    rank when the optimizer is made, before any collective."""
+    where = f"funcshard.optim.{where}"
+    if not callable(lr) and not (_is_number(lr) and lr >= 0):
+        raise ValueError(f"{where}: lr must be >= 0 or a callable, got {lr!r}.")
     for name, value in rates.items():
-        if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-            raise ValueError(f"funcshard.optim.{where}: {name} must be >= 0, got {value!r}.")
+        if not (_is_number(value) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{where}: {name} must be >= 0, got {value!r}.")
+
+
+def _check_betas(where: str, betas: Any) -> tuple[float, float]:
+    """Adam's `betas`: two numbers, each in [0, 1), as torch.optim.Adam requires (a beta of 1
+    or more makes the moment an ever-growing sum, not an average)."""
+    where = f"funcshard.optim.{where}"
+    if not (isinstance(betas, tuple | list) and len(betas) == 2):
+        raise TypeError(
+            f"{where}: betas must be a pair (beta1, beta2), got {betas!r}. Pass e.g. "
+            f"betas=(0.9, 0.999)."
+        )
+    for i, beta in enumerate(betas):
+        if not (_is_number(beta) and 0 <= beta < 1):
+            raise ValueError(
+                f"{where}: betas[{i}] must be in [0, 1), got {beta!r}. The defaults are "
+                f"betas=(0.9, 0.999)."
+            )
+    return float(betas[0]), float(betas[1])
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def sgd(
@@ -304,6 +329,12 @@ def sgd(
     continues the schedule where it stopped.
     """
     _check_rates("sgd", lr, momentum=momentum, weight_decay=weight_decay, dampening=dampening)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(
+            f"funcshard.optim.sgd: nesterov=True needs momentum > 0 and dampening 0, got "
+            f"momentum={momentum!r}, dampening={dampening!r}. Pass a momentum (e.g. 0.9) "
+            f"without dampening, or nesterov=False."
+        )
 
     def init(params: Any) -> SgdState:
         # zeros, so a checkpoint of a later state loads into a fresh one: without dampening
@@ -386,8 +417,8 @@ def _adam_family(
     decoupled: bool,
     weight_decay_mask: Where | None = None,
 ) -> Optimizer:
-    _check_rates(name, lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
-    beta1, beta2 = betas
+    beta1, beta2 = _check_betas(name, betas)
+    _check_rates(name, lr, eps=eps, weight_decay=weight_decay)
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def init(params: Any) -> AdamState:

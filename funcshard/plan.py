@@ -27,6 +27,7 @@ import torch
 from tabulate import tabulate
 from torch import nn
 
+from funcshard.module import check_module
 from funcshard.policy import Buckets, Policy, module_classes
 from funcshard.tree import format_names, join_fqn
 
@@ -142,6 +143,7 @@ def plan(
     gradient and no optimizer state; `"warn"` keeps them in the trainable buffer with a
     warning, where they take zero gradients that are reduced.
     """
+    check_module(model, "funcshard.plan")
     if isinstance(policy, Buckets):
         if keep_fp32:
             raise ValueError(

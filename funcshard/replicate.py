@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from funcshard.materialize import Init
-from funcshard.mesh import Mesh
+from funcshard.mesh import Mesh, check_mesh
+from funcshard.module import check_module
 from funcshard.plan import plan
 from funcshard.policy import buckets
 from funcshard.precision import MixedPrecision
@@ -53,6 +54,8 @@ def replicate(
     Communicates: what `shard` does (a fingerprint check and the buffers).
     """
     where = "funcshard.replicate"
+    check_module(model, where)
+    check_mesh(mesh, where)
     if mesh.shard_size != 1:
         raise ValueError(
             f"{where}: the mesh must have shard=1 (every rank holds every "

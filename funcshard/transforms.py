@@ -8,6 +8,7 @@ of them writes its inputs. See [Note: flat buffers] for the layout they share.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -18,8 +19,8 @@ from funcshard import collectives, gather
 from funcshard.comm import Comm, check_carry
 from funcshard.layout import FlatLayout, Layout, layout_of, param_views
 from funcshard.materialize import Init, check_init, local_slice, materialize
-from funcshard.mesh import Mesh
-from funcshard.module import feed_tied, reparametrized
+from funcshard.mesh import Mesh, check_mesh
+from funcshard.module import check_module, feed_tied, reparametrized
 from funcshard.plan import Plan
 from funcshard.precision import MixedPrecision, reduce_dtype
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState, ensure_live
@@ -76,11 +77,23 @@ def shard_as(
 ) -> ShardedState:
     """`shard`, with errors that name `where`, the public call that asked for it (`shard`
     or `replicate`), so their advice fits the call the user made."""
+    check_module(model, where)
+    if not isinstance(plan, Plan):
+        raise TypeError(
+            f"{where}: plan must be a funcshard.Plan, got {_described(plan)}. The arguments are "
+            f"shard(model, plan, mesh, ...): make the plan with funcshard.plan(model, "
+            f"policy=...)."
+        )
+    check_mesh(mesh, where)
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise TypeError(
+            f"{where}: seed must be an int, the same on every rank, got {_described(seed)}."
+        )
     _check_reshard_after_forward(reshard_after_forward, mesh)
     init = check_init(init, where)
     if mp is not None and not isinstance(mp, MixedPrecision):
         raise TypeError(f"{where}: mp must be a MixedPrecision or None, got {mp!r}.")
-    _check_same_model_everywhere(model, plan, mesh, where)
+    _check_same_model_everywhere(model, plan, mesh, where, seed)
     layout = dataclasses.replace(
         layout_of(plan, mesh),
         state_dict_keys=tuple(model.state_dict(keep_vars=True)),
@@ -473,13 +486,24 @@ def _model_problems(model: nn.Module, plan: Plan) -> str:
     return ""
 
 
-def _check_same_model_everywhere(model: nn.Module, plan: Plan, mesh: Mesh, where: str) -> None:
-    """Raise on every rank if any rank's model or plan differs (one small all-gather)."""
+def _check_same_model_everywhere(
+    model: nn.Module, plan: Plan, mesh: Mesh, where: str, seed: int = 0
+) -> None:
+    """Raise on every rank if any rank's model, plan or seed differs (one small all-gather)."""
     problem = _model_problems(model, plan)
     fingerprint = int(plan.fingerprint()[:15], 16)
-    gathered = collectives.all_gather_ints([fingerprint, int(bool(problem))], mesh.group)
-    if all(row == [gathered[0][0], 0] for row in gathered):
+    local = [fingerprint, int(bool(problem)), int(seed) & _INT63]
+    gathered = collectives.all_gather_ints(local, mesh.group)
+    if all(row == [gathered[0][0], 0, gathered[0][2]] for row in gathered):
         return
+    seeds = [row[2] for row in gathered]
+    if not any(row[1] for row in gathered) and all(row[0] == gathered[0][0] for row in gathered):
+        raise ValueError(
+            f"{where}: seed must be the same on every rank (it initializes one model, the "
+            f"same on any world size), got {_per_rank(seeds, mesh)}. Pass one seed everywhere; "
+            f"for randomness of each rank's own (dropout, data order) use "
+            f"funcshard.rank_seed(seed, mesh) or funcshard.manual_seed(seed, mesh, step)."
+        )
     described = [
         (f, s, str(d))
         for u in plan.units
@@ -490,6 +514,20 @@ def _check_same_model_everywhere(model: nn.Module, plan: Plan, mesh: Mesh, where
         if text:
             raise ValueError(f"{where}: on rank {rank}: {text}")
     raise ValueError(f"{where}: ranks disagree on the model: {_first_difference(reports)}")
+
+
+_INT63 = (1 << 63) - 1  # a seed as an int64 for the all-gather (torch takes seeds < 2**64)
+
+
+def _per_rank(values: list[int], mesh: Mesh) -> str:
+    ranks = collectives.group_ranks(mesh.group)
+    return ", ".join(f"{v} on rank {r}" for r, v in zip(ranks, values, strict=True))
+
+
+def _described(value: object) -> str:
+    if isinstance(value, type):
+        return f"the class {value.__name__}"
+    return f"{type(value).__name__} {value!r:.60}"
 
 
 def _checksum(tensor: Tensor) -> tuple[int, int]:

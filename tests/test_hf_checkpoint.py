@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -415,3 +416,34 @@ def test_loading_holds_the_shards_plus_at_most_one_unit(tmp_path):
     for result in testing.run(functools.partial(_peak_while_loading, str(tmp_path)), 2):
         assert result["peak"] <= result["shards"] + 1.1 * result["unit"], result
         assert result["peak"] < result["model"], result
+
+
+def _export_while_the_writer_is_slow(out: str, rank: int) -> list[str]:
+    from datetime import timedelta
+    from unittest import mock
+
+    from funcshard import hf_save
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    state = fs.shard(model, fs.plan(model), fs.Mesh(shard=2, timeout=timedelta(seconds=1)))
+    write = hf_save._Writer._write
+
+    def slow(self, name, tensors):  # a slow file system: longer than the mesh's timeout
+        time.sleep(2)
+        write(self, name, tensors)
+
+    with mock.patch.object(hf_save._Writer, "_write", slow):
+        fs.checkpoint.save_hf(out, state)
+    return sorted(os.listdir(out))
+
+
+def test_the_other_ranks_wait_for_the_first_rank_writing_beyond_the_mesh_timeout(tmp_path):
+    """The ranks that do not write waited for the writer in a collective, which the mesh's
+    timeout (now 10 minutes by default) cut: a file that took longer to write failed the
+    export with a CollectiveError. They now wait through the store, up to WRITE_TIMEOUT."""
+    out = str(tmp_path / "export")
+    listed = testing.run(functools.partial(_export_while_the_writer_is_slow, out), world_size=2)
+    assert listed[0] == ["model.safetensors"]
+    loaded = safetensors_torch.load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(loaded) == ["0.bias", "0.weight", "1.bias", "1.weight"]

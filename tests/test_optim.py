@@ -314,3 +314,46 @@ def test_updates_that_carry_history_keep_it_for_a_differentiable_inner_step():
     (g,) = torch.autograd.grad((w**2).sum(), w, create_graph=True)
     inner = fs.apply_updates({"w": w}, {"w": -lr * g})  # MAML's inner step
     torch.autograd.grad((inner["w"] ** 2).sum(), lr)  # differentiable through the update
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "message"),
+    [
+        (lambda: fs.optim.adamw(1e-3, betas=(1.5, 0.999)),
+         lambda p: torch.optim.AdamW(p, betas=(1.5, 0.999)),
+         r"optim\.adamw: betas\[0\] must be in \[0, 1\), got 1\.5"),
+        (lambda: fs.optim.adam(1e-3, betas=(0.9, 1.0)),
+         lambda p: torch.optim.Adam(p, betas=(0.9, 1.0)),
+         r"optim\.adam: betas\[1\] must be in \[0, 1\), got 1\.0"),
+        (lambda: fs.optim.adamw(1e-3, betas=(-0.1, 0.999)),
+         lambda p: torch.optim.AdamW(p, betas=(-0.1, 0.999)), r"betas\[0\] must be in \[0, 1\)"),
+        (lambda: fs.optim.adamw(-1e-3), lambda p: torch.optim.AdamW(p, lr=-1e-3),
+         r"optim\.adamw: lr must be >= 0"),
+        (lambda: fs.optim.adam(1e-3, eps=-1e-8), lambda p: torch.optim.Adam(p, eps=-1e-8),
+         r"optim\.adam: eps must be >= 0"),
+        (lambda: fs.optim.adamw(1e-3, weight_decay=-0.1),
+         lambda p: torch.optim.AdamW(p, weight_decay=-0.1),
+         r"optim\.adamw: weight_decay must be >= 0"),
+        (lambda: fs.optim.sgd(0.1, momentum=-0.9), lambda p: torch.optim.SGD(p, momentum=-0.9),
+         r"optim\.sgd: momentum must be >= 0"),
+        (lambda: fs.optim.sgd(0.1, weight_decay=-1), lambda p: torch.optim.SGD(p, weight_decay=-1),
+         r"optim\.sgd: weight_decay must be >= 0"),
+        (lambda: fs.optim.sgd(0.1, nesterov=True), lambda p: torch.optim.SGD(p, nesterov=True),
+         r"optim\.sgd: nesterov=True needs momentum > 0 and dampening 0, got momentum=0\.0"),
+        (lambda: fs.optim.sgd(0.1, momentum=0.9, nesterov=True, dampening=0.1),
+         lambda p: torch.optim.SGD(p, momentum=0.9, nesterov=True, dampening=0.1),
+         r"nesterov=True needs momentum > 0 and dampening 0, got momentum=0\.9, dampening=0\.1"),
+    ],
+)  # fmt: skip
+def test_hyperparameters_torch_optim_refuses_are_refused_naming_them(ours, theirs, message):
+    """`adamw(betas=(1.5, 0.999))` was accepted (its first moment grew 4x10^4 in 25 steps),
+    as were a beta of 1 and nesterov without momentum; torch.optim refuses each."""
+    with pytest.raises(ValueError):
+        theirs([torch.zeros(2, requires_grad=True)])
+    with pytest.raises(ValueError, match=message):
+        ours()
+
+
+def test_betas_that_are_not_a_pair_are_named():
+    with pytest.raises(TypeError, match=r"optim\.adamw: betas must be a pair \(beta1, beta2\)"):
+        fs.optim.adamw(1e-3, betas=0.9)

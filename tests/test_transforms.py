@@ -348,3 +348,88 @@ def _odd_dtypes(rank: int) -> tuple:
 def test_complex_params_shard_and_ignored_params_may_be_integers():
     same, step, root = testing.run(_odd_dtypes, world_size=2)[0]
     assert same and step == [0, 0] and root == ["z"]
+
+
+def _seeded_per_rank(rank: int) -> str:
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    try:
+        fs.shard(meta, fs.plan(meta), fs.Mesh(shard=2), seed=rank)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_seed_that_differs_across_ranks_is_refused_on_every_rank_saying_how_to_seed_each():
+    """`shard(meta_model, ..., seed=rank)` was accepted: each rank initialized its slice of
+    the model under its own seed, a model stitched from two inits."""
+    for message in testing.run(_seeded_per_rank, world_size=2):
+        assert message.startswith(
+            "funcshard.shard: seed must be the same on every rank (it initializes one model, "
+            "the same on any world size), got 0 on rank 0, 1 on rank 1."
+        ), message
+        assert "funcshard.rank_seed(seed, mesh)" in message
+        assert "funcshard.manual_seed(seed, mesh, step)" in message
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: fs.shard({"fc.weight": torch.ones(2, 2)}, None, None),
+         r"funcshard\.shard: model must be a torch\.nn\.Module instance, got a dict \(keys "
+         r"'fc\.weight'\)\. Pass the module"),
+        (lambda: fs.plan(_Net), r"funcshard\.plan: model must be a torch\.nn\.Module instance, "
+         r"got the class _Net itself\. Build the model first, e\.g\. _Net\(config\)"),
+        (lambda: fs.replicate(_Net, None), r"funcshard\.replicate: model must be a torch\.nn\."
+         r"Module instance, got the class _Net itself"),
+        (lambda: fs.replicate(_Net(), {"replicate": 2}),
+         r"funcshard\.replicate: mesh must be a funcshard\.Mesh, got dict\. Make one with"),
+        (lambda: fs.shard(_Net(), fs.policy.size(min_numel=1), None),
+         r"funcshard\.shard: plan must be a funcshard\.Plan, got .*\. The arguments are "
+         r"shard\(model, plan, mesh, \.\.\.\): make the plan with funcshard\.plan"),
+        (lambda: fs.shard(_Net(), fs.plan(_Net()), "mesh"),
+         r"funcshard\.shard: mesh must be a funcshard\.Mesh, got str"),
+    ],
+)  # fmt: skip
+def test_a_non_module_class_or_dict_is_refused_naming_the_argument_and_what_it_takes(call, message):
+    """These were a bare AttributeError ('dict' object has no attribute 'named_parameters',
+    'Linear' has no attribute ...), raised where the value was first used."""
+    with pytest.raises(TypeError, match=message):
+        call()
+
+
+def _pickled_state(rank: int) -> bytes:
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    return pickle.dumps(fs.shard(model, fs.plan(model), fs.Mesh(shard=2)))
+
+
+def _unpickled(data: bytes, rank: int) -> str:
+    import pickle
+
+    try:
+        pickle.loads(data)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_state_pickled_in_another_world_is_refused_saying_its_groups_are_not_here():
+    """A state pickled in a world of 2 and read in a world of 4 raised "Could not resolve
+    the process group registered under the name 1", or resolved a group of other ranks
+    that happened to have the same name."""
+    data, _ = testing.run(_pickled_state, world_size=2)
+    for rank, message in enumerate(testing.run(functools.partial(_unpickled, data), 4)):
+        assert message.startswith(
+            "funcshard.Mesh(replicate=1, shard=2): a mesh whose process groups exist in this "
+            "world, got one read back from a pickle made in another (over ranks [0, 1]; "
+        ), (rank, message)
+        assert "build the state again in this job" in message
