@@ -26,7 +26,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from funcshard import collectives, waits
+from funcshard import collectives, progress, waits
 
 AXES = ("replicate", "shard")
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # NCCL's own default; gloo's is 30 minutes
@@ -455,6 +455,7 @@ def shutdown(timeout: timedelta | float = timedelta(seconds=30)) -> None:
     if not dist.is_initialized():
         return
     world = dist.get_world_size()
+    progress.leaving("fs.shutdown()")  # a rank still communicating names this one as gone
     waits.every_rank_arrives(
         "shutdown",
         range(world),
@@ -472,3 +473,4 @@ def shutdown(timeout: timedelta | float = timedelta(seconds=30)) -> None:
     _OWN_WORLDS.clear()
     collectives.forget_checked_groups()
     dist.destroy_process_group()
+    progress.forget()  # a new process group publishes afresh

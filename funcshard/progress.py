@@ -77,6 +77,12 @@ def leaving(reason: str) -> None:
         _write()
 
 
+def forget() -> None:
+    """Stop publishing (the process group and its store are gone); the next collective on a
+    new one starts again."""
+    Here.store = None
+
+
 def _loop() -> None:
     while Here.left is None:
         time.sleep(INTERVAL)
