@@ -25,7 +25,7 @@ import itertools
 import os
 import pickle
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -544,6 +544,17 @@ def _traced(tensor: Tensor) -> bool:
         torch.compiler.is_dynamo_compiling()
         or get_proxy_mode() is not None
         or isinstance(tensor, FakeTensor)
+    )
+
+
+def tracing(tensors: Iterable[Tensor] = ()) -> bool:
+    """Whether the collectives issued now become graph nodes (torch.compile or make_fx is
+    tracing, or `tensors` are fake) rather than run: a caller then reads nothing back from
+    them in Python (see [Note: bookkeeping outside compiled graphs])."""
+    return (
+        torch.compiler.is_compiling()
+        or get_proxy_mode() is not None
+        or any([isinstance(t, FakeTensor) for t in tensors])
     )
 
 
