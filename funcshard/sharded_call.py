@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from funcshard import chaos, collectives, compiled, gather, recompute
+from funcshard import chaos, collectives, compiled, gather, inplace, recompute
 from funcshard.binding import (
     Binding,
     Slot,
@@ -529,7 +529,13 @@ def _eager_call(
         recomputation = _Recomputation(run)
         with saved, recompute.calling(binding.module_ids, recomputation):
             target = model if method == "forward" else getattr(model, method)
-            out = target(*args, **kwargs)
+            try:
+                out = target(*args, **kwargs)
+            except RuntimeError as e:  # see [Note: in-place writes to gathered parameters]
+                refusal = inplace.refusal(e, model, binding)
+                if refusal is None:
+                    raise
+                raise refusal from None
         new_buffers = {fqn: get_slot(slot) for slot, fqn in binding.buffer_slots}
         recomputation.buffers = new_buffers
     finally:
