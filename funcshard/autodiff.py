@@ -17,7 +17,7 @@ import optree
 import torch
 from torch import Tensor
 
-from funcshard import finite, gather, gc_pause, host_memory, recompute
+from funcshard import collectives, finite, gather, gc_pause, host_memory, recompute, waits
 from funcshard.comm import Comm, check_carry
 from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
@@ -75,6 +75,18 @@ def value_and_grad(
 
     @functools.wraps(f, updated=())  # (merging f.__dict__ is untraceable for a partial)
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if torch.compiler.is_compiling():
+            return step(params, *args, **kwargs)
+        start = collectives.count_issued()
+        try:
+            return step(params, *args, **kwargs)
+        except BaseException as error:  # see [Note: a rank out of step] in collectives.py
+            if isinstance(params, ShardedState):
+                ranks = params.layout.mesh.ranks
+                waits.left_step("funcshard.value_and_grad", error, start, ranks)
+            raise
+
+    def step(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         if isinstance(params, ShardedState):
             reduction = "none" if not reduce else "mean" if all_reduce else "shard"
             if carry is not None:

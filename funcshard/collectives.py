@@ -719,9 +719,71 @@ def _issued_words(
 
 def reset_issued() -> None:
     """Number collectives from 1 again (the test runner does, per task, so that the ranks'
-    numbers compare)."""
+    numbers compare), and forget a step this rank left mid-way (a new task, a new start)."""
     _Issued.last = None
     _Issued.inside = None
+    _OutOfStep.reason = None
+
+
+# [Note: a rank out of step]
+# Every rank issues the same collectives in the same order. A rank whose step raises after
+# it issued some of the step's collectives (a bad batch, a bug on that rank alone) and
+# that carries on (the exception caught, the loop going on) is no longer in that order: the
+# others are still in the step's later collectives, and its next collective, of the next
+# step, would pair with one of theirs (gloo then aborts the process on mismatched shapes, in
+# about 2.5 s; with equal shapes the ranks would silently mix steps). So `value_and_grad`
+# and `call` note an exception escaping them after this rank's count of collectives moved
+# (`interruption`), and unless every rank of the mesh left the step at the same count
+# (the same error everywhere: they meet in the store within `waits.SETTLE`,
+# `waits.left_step`), the rank's next collective raises instead of being issued, naming
+# the interrupted step. Errors that funcshard raises on every rank together
+# (`NonFiniteError`, a `pmean` of trees that differ: marked `on_every_rank`) leave the
+# ranks in step, and a collective's own failure is already an error on every rank.
+# `fs.testing.run` starts each task in step.
+
+
+class _OutOfStep:
+    """Why this rank is out of step with the others (None while in step)."""
+
+    reason: str | None = None
+
+
+def count_issued() -> int:
+    """How many collectives this process issued (what `interrupted` compares against)."""
+    last = _Issued.last
+    return last[0] if last is not None else 0
+
+
+def interruption(error: BaseException, start: int) -> str | None:
+    """What `error`, escaping a step that began at count `start`, did to this rank's order of
+    collectives, in words, or None when it cannot have left it out of step: no collective
+    of the step was issued, the error is a collective's own, or funcshard raised it on
+    every rank together (see [Note: a rank out of step])."""
+    if _OutOfStep.reason is not None or count_issued() == start:
+        return None
+    if isinstance(error, CollectiveError) or getattr(error, "on_every_rank", False):
+        return None
+    words = str(error).splitlines()[0][:300] if str(error) else ""
+    return (
+        f"{type(error).__name__}: {words} after this rank issued {count_issued() - start} "
+        f"collective(s) of its step (the last: {last_issued()})"
+    )
+
+
+def out_of_step(reason: str) -> None:
+    """Refuse this rank's next collectives, saying `reason` (see [Note: a rank out of step]),
+    and tell the other ranks at once through its progress record."""
+    _OutOfStep.reason = reason
+    progress.publish()
+
+
+def _refuse_out_of_step(op: str, what: str | None) -> None:
+    raise CollectiveError(
+        f"rank {dist.get_rank()}: {op}{unit_words(what)} was not issued: this rank left a "
+        f"step mid-way. {_OutOfStep.reason}. The other ranks are still in that step's "
+        f"collectives, so this one would pair with one of theirs. Let the exception end the "
+        f"rank (fs.fail_fast() ends every rank together), or restart all ranks."
+    )
 
 
 def entering_compiled(name: str, call: int) -> None:
@@ -746,6 +808,8 @@ def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str | None) -> N
     outside compiled graphs])."""
     if torch.compiler.is_compiling():
         return
+    if _OutOfStep.reason is not None:
+        _refuse_out_of_step(op, what)
     chaos.point()
     count = _Issued.last[0] + 1 if _Issued.last is not None else 1
     _Issued.last = (count, op, what, tensor.numel(), tensor.dtype, group)
@@ -790,8 +854,10 @@ def _publish_progress() -> None:
 
 def _progress_source() -> tuple[int, str] | None:
     """The last collective's count and words, for the progress writer."""
-    last = _Issued.last
-    return None if last is None else (last[0], last_issued())
+    last, out = _Issued.last, _OutOfStep.reason
+    if last is None:
+        return None
+    return (last[0], last_issued() + (f"; then it left that step: {out}" if out else ""))
 
 
 progress.watch(_progress_source)

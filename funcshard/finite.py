@@ -23,6 +23,8 @@ from funcshard.state import LocalGrads, ShardedGrads
 class NonFiniteError(FloatingPointError):
     """A loss or gradient held NaN or inf on some rank; raised on every rank alike."""
 
+    on_every_rank = True  # the ranks stay in step (see [Note: a rank out of step])
+
 
 def local_flags(tensors: list[Tensor | None]) -> Tensor:
     """One int64 per tensor: 1 where it holds a NaN or inf (None counts as finite)."""

@@ -253,12 +253,14 @@ def _refuse(where: str, mine: list[tuple[str, str, str]], group: Any) -> None:
     theirs = collectives.all_gather_object(mine, group)
     found = _differences(ranks, theirs)
     shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
-    raise ValueError(
+    error = ValueError(
         f"{where}: the same leaves (pytree paths, shapes and dtypes) on every rank of ranks "
         f"{ranks}, got {shown}. Leaves are reduced in order, one with the same one of every "
         f"rank: pass every rank the same metrics (a rank without a value can send 0 and a "
         f"count of 0, and the mean be taken as psum(values) / psum(counts))."
     )
+    error.on_every_rank = True  # type: ignore[attr-defined]  # the ranks stay in step
+    raise error
 
 
 def _differences(ranks: list[int], leaves: list[list[tuple[str, str, str]]]) -> list[str]:

@@ -77,6 +77,12 @@ def leaving(reason: str) -> None:
         _write()
 
 
+def publish() -> None:
+    """Write this rank's record now, not at the writer's next turn (a failure path)."""
+    if Here.store is not None:
+        _write()
+
+
 def forget() -> None:
     """Stop publishing (the process group and its store are gone); the next collective on a
     new one starts again."""

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from funcshard import chaos, collectives, compiled, gather, inplace, recompute
+from funcshard import chaos, collectives, compiled, gather, inplace, recompute, waits
 from funcshard.binding import (
     Binding,
     Slot,
@@ -474,9 +474,15 @@ def call(
         return compiled.call(model, state, args, kwargs, buffers, mutable, method, comm)
     if _needs_sync(model, state, method, kwargs):  # see [Note: generate across ranks]
         kwargs = {**kwargs, "synced_gpus": True}
-    return _eager_call(
-        model, state, *args, buffers=buffers, mutable=mutable, method=method, comm=comm, **kwargs
-    )
+    start = collectives.count_issued()
+    try:
+        return _eager_call(
+            model, state, *args, buffers=buffers, mutable=mutable, method=method, comm=comm,
+            **kwargs,
+        )
+    except BaseException as error:  # see [Note: a rank out of step] in collectives.py
+        waits.left_step("funcshard.call", error, start, state.layout.mesh.ranks)
+        raise
 
 
 def _needs_sync(

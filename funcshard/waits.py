@@ -93,3 +93,22 @@ def _all_there(store: dist.Store, keys: list[str], where: str, ranks: tuple[int,
 
 def _seconds(timeout: timedelta) -> str:
     return f"{timeout.total_seconds():g} s"
+
+
+SETTLE = timedelta(seconds=3)  # how long a rank that left a step looks for the others there
+
+
+def left_step(where: str, error: BaseException, start: int, ranks: Sequence[int]) -> None:
+    """`where` raised `error` on this rank in a step that began at collective count `start`:
+    unless every rank of `ranks` left at the same count within `SETTLE` (the same error on
+    every rank), this rank is out of step (see [Note: a rank out of step] in
+    collectives.py). Costs nothing unless the step raised after issuing collectives."""
+    reason = collectives.interruption(error, start)
+    if reason is None:
+        return
+    try:
+        every_rank_arrives(
+            f"left-step-at-{collectives.count_issued()}", ranks, SETTLE, where, "(settling)"
+        )
+    except collectives.CollectiveError:
+        collectives.out_of_step(f"{where} raised {reason}")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard import collectives, progress, testing
+from funcshard import collectives, progress, testing, waits
 
 TIMEOUT = timedelta(seconds=3)
 
@@ -96,3 +96,47 @@ def test_under_torchrun_a_rank_in_user_code_is_named_within_the_timeout():
         r"funcshard collective since \d s ago",
         err,
     ), err[-3000:]
+
+
+def _rank1_catches_and_carries_on(rank: int) -> dict:
+    """Rank 1's forward raises in its second block in the first step; it catches the error
+    and tries the next step, as a loop that skips bad batches would."""
+    from funcshard.testing.models import GPT, Block, GPTConfig
+
+    # rank 0 waits past the time rank 1 looks for it in the store (waits.SETTLE)
+    mesh = fs.Mesh(shard=2, timeout=TIMEOUT + waits.SETTLE)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3))
+    state = fs.shard(model, fs.plan(model, policy=fs.policy.module_classes({Block})), mesh)
+
+    def bad_batch(module, args):
+        if rank == 1:
+            raise ValueError("bad batch on rank 1")
+
+    hook = model.blocks[1].register_forward_pre_hook(bad_batch)
+    x = torch.randint(61, (2, 16), generator=torch.Generator().manual_seed(rank))
+    step = fs.value_and_grad(lambda s: fs.call(model, s, x).square().mean())
+    errors = []
+    for _ in range(2 if rank == 1 else 1):
+        try:
+            step(state)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+        hook.remove()
+    return {"errors": errors}
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_catches_a_step_error_and_carries_on_raises_instead_of_aborting():
+    """Broke: rank 1's next step issued its first all-gather against rank 0's gathers of the
+    interrupted step, and gloo aborted the process on the mismatched shapes (SIGABRT)."""
+    first, second = testing.run(_rank1_catches_and_carries_on, world_size=2, fresh=True)
+    assert second["errors"][0] == "ValueError: bad batch on rank 1"
+    refused = second["errors"][1]
+    assert refused.startswith(
+        "CollectiveError: rank 1: all_gather of the root unit was not "
+        "issued: this rank left a step mid-way."
+    ), refused
+    assert "funcshard.call raised ValueError: bad batch on rank 1" in refused
+    (timed_out,) = first["errors"]
+    assert "rank 1: last collective" in timed_out and "then it left that step" in timed_out
