@@ -29,12 +29,17 @@ def _rank1_stays_in_user_code(rank: int) -> None:
     fs.pmean(torch.ones(1), mesh)  # rank 0 only: nobody joins it
 
 
+def _rank0_error(task) -> str:
+    """The CollectiveError rank 0 raised running `task` on two fresh ranks, in words."""
+    with pytest.raises(fs.CollectiveError) as caught:
+        testing.run(task, world_size=2, fresh=True, timeout=40)
+    return str(caught.value)
+
+
 @pytest.mark.timeout(60)
 def test_a_rank_sleeping_in_user_code_is_named_with_its_last_collective():
     start = time.monotonic()
-    with pytest.raises(fs.CollectiveError) as caught:
-        testing.run(_rank1_stays_in_user_code, world_size=2, fresh=True, timeout=40)
-    message = str(caught.value)
+    message = _rank0_error(_rank1_stays_in_user_code)
     assert message.startswith("rank 0: all_reduce"), message
     assert "rank 1: last collective #1, all_reduce" in message, message
     assert "behind this rank" in message and "not in any funcshard collective" in message
@@ -54,9 +59,7 @@ def _rank1_shuts_down(rank: int) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_rank_that_left_is_named_as_gone():
-    with pytest.raises(fs.CollectiveError) as caught:
-        testing.run(_rank1_shuts_down, world_size=2, fresh=True, timeout=40)
-    message = str(caught.value)
+    message = _rank0_error(_rank1_shuts_down)
     assert "rank 1: left (fs.shutdown())" in message, message
 
 
@@ -75,9 +78,7 @@ def _rank1_waits_elsewhere(rank: int) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_rank_waiting_in_another_collective_is_named_with_it():
-    with pytest.raises(fs.CollectiveError) as caught:
-        testing.run(_rank1_waits_elsewhere, world_size=2, fresh=True, timeout=40)
-    message = str(caught.value)
+    message = _rank0_error(_rank1_waits_elsewhere)
     assert "rank 1: last collective #3, all_gather of unit 'blocks.3'" in message, message
     assert "waiting in all_gather of unit 'blocks.3'" in message, message
 
