@@ -2,12 +2,13 @@
 
 [Note: failing fast]
 A rank that raises while the others wait in a collective it never enters leaves them waiting
-out the process group's timeout (30 minutes by default on gloo). Under torchrun an uncaught
-exception usually ends the process and the agent then stops the others, but often the
-process does not end: a `finally: fs.shutdown()` waits in its barrier for ranks that are
-stuck elsewhere, a non-daemon thread keeps the interpreter alive, or the rank catches the
+out the mesh's timeout (10 minutes by default). Under torchrun an uncaught exception usually
+ends the process and the agent then stops the others, but often the process does not end:
+a `finally: fs.shutdown()` waits for ranks that are stuck elsewhere (up to its own timeout,
+30 s by default), a non-daemon thread keeps the interpreter alive, or the rank catches the
 exception to log it. Measured under torchrun with `Mesh(timeout=60 s)` and
-`try: ... finally: fs.shutdown()`: rank 1 raised at once, rank 0 raised after the whole 60 s.
+`try: ... finally: fs.shutdown()` (when shutdown still waited in a gloo barrier): rank 1
+raised at once, rank 0 raised after the whole 60 s.
 
 Aborting the process group would be the natural way to wake the others, but on gloo
 `ProcessGroup.abort()` and `.shutdown()` (torch 2.13) close no connection: a peer blocked in
@@ -42,8 +43,8 @@ def fail_fast() -> Iterator[None]:
     Before it leaves, the rank records `rank R raised Type: message` in the default process
     group's store (the first rank to fail is kept), prints its traceback and exits with code 1.
     Nothing after the block runs on it: no `finally` outside the block, no atexit handler (they
-    could wait on the other ranks, e.g. `fs.shutdown()`'s barrier). A rank whose collective
-    failed because another left says which rank failed first. Wrap a rank's whole work
+    could wait on the other ranks, e.g. `fs.shutdown()`'s wait for every rank). A rank whose
+    collective failed because another left says which rank failed first. Wrap a rank's whole work
     (`with fs.fail_fast(): train(...)`, or `@fs.fail_fast()` on its main function) and catch
     inside it the exceptions meant to be handled. KeyboardInterrupt and SystemExit pass through.
 

@@ -1,6 +1,6 @@
 """Launched by tests/test_failfast.py under torchrun: rank 1 raises inside `fs.fail_fast()`
 while rank 0 waits in an all-reduce, both inside the usual `try: ... finally: fs.shutdown()`
-(without fail_fast, rank 1 waits in shutdown's barrier and rank 0 out its 120 s timeout)."""
+(without fail_fast, rank 1 waits in shutdown for rank 0, and rank 0 out its 120 s timeout)."""
 
 import sys
 import time
