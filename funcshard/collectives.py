@@ -749,7 +749,7 @@ class _OutOfStep:
 
 
 def count_issued() -> int:
-    """How many collectives this process issued (what `interrupted` compares against)."""
+    """How many collectives this process issued (what `interruption` compares against)."""
     last = _Issued.last
     return last[0] if last is not None else 0
 
@@ -795,8 +795,7 @@ def entering_compiled(name: str, call: int) -> None:
 def left_compiled(name: str, call: int, issued: int | None) -> None:
     """Count call `call` of the compiled step `name` as returned, having issued `issued`
     collectives inside its graphs (None: not known) after the ones counted before it."""
-    last = _Issued.last
-    count = (last[0] if last is not None else 0) + (issued or 0)
+    count = count_issued() + (issued or 0)
     if issued != 0:
         _Issued.last = (count, "compiled", (name, call), issued, None, None)
     _Issued.inside = None
@@ -831,8 +830,7 @@ def _failed(
     unit = unit_words(what)
     first = first_failure()
     first = f"First failure (recorded by fs.fail_fast): {first}.\n" if first else ""
-    count = _Issued.last[0] if _Issued.last is not None else 0
-    others = progress.report(ranks, count) if isinstance(ranks, list) else ""
+    others = progress.report(ranks, count_issued()) if isinstance(ranks, list) else ""
     others = f"Where the other ranks are (their progress records):\n{others}\n" if others else ""
     return CollectiveError(
         f"rank {dist.get_rank()}: {op}{unit} over ranks {ranks} did not complete: {cause}\n"
@@ -860,7 +858,11 @@ def _progress_source() -> tuple[int, str] | None:
     return (last[0], last_issued() + (f"; then it left that step: {out}" if out else ""))
 
 
-progress.watch(_progress_source)
+def _collective_words(op: str, what: str | None) -> str:
+    return f"{op}{unit_words(what)}"
+
+
+progress.watch(_progress_source, _collective_words)
 
 
 def record_failure(what: str) -> str | None:

@@ -39,12 +39,14 @@ from typing import Any
 INTERVAL = 1.0  # seconds between a rank's writes: the age of what others read at worst
 
 Source = Callable[[], tuple[int, str] | None]  # (count, last collective in words)
+Describe = Callable[[str, str | None], str]  # (op, unit) -> the collective in words
 
 
 class Here:
     """This process's progress as the writer thread sees it."""
 
     source: Source | None = None  # what collectives registered: the last collective
+    describe: Describe | None = None  # and how it words a collective waited in
     rank: int | None = None
     store: Any = None
     waiting: tuple[str, str | None] | None = None  # (op, unit) a wait is blocked in
@@ -54,9 +56,10 @@ class Here:
     changed: float = 0.0
 
 
-def watch(source: Source) -> None:
-    """Read the last collective from `source` (collectives registers it at import)."""
-    Here.source = source
+def watch(source: Source, describe: Describe) -> None:
+    """Read the last collective from `source` and word the one waited in by `describe`
+    (collectives registers both at import)."""
+    Here.source, Here.describe = source, describe
 
 
 def start(store: Any, rank: int) -> None:
@@ -97,20 +100,14 @@ def _loop() -> None:
 
 def _snapshot() -> tuple:
     last = Here.source() if Here.source is not None else None
-    return (last, _words(Here.waiting), Here.left)
-
-
-def _words(waiting: tuple[str, str | None] | None) -> str | None:
-    if waiting is None:
-        return None
-    op, unit = waiting
-    if unit is None:
-        return op
-    return f"{op} of the root unit" if unit == "" else f"{op} of unit {unit!r}"
+    waiting = Here.waiting
+    words = Here.describe(*waiting) if waiting is not None and Here.describe else None
+    return (last, words, Here.left)
 
 
 def _write() -> None:
-    """Write the record if it changed (a store round trip; on the writer thread)."""
+    """Write the record if it changed (a store round trip): on the writer thread, or at
+    once on a rank that starts, leaves or falls out of step."""
     now = _snapshot()
     if now == Here.written:
         return

@@ -242,10 +242,7 @@ def _policy(case: Case, name: str, model: nn.Module) -> Any:
 
 def _block_classes(model: nn.Module) -> set[type[nn.Module]]:
     """The classes inside the model's first non-empty ModuleList (transformer blocks)."""
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module):
-            return {type(child) for child in module}
-    return set()
+    return {type(child) for child in recipe.blocks(model)}
 
 
 def has_batch_stats(model: nn.Module) -> bool:
