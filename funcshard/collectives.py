@@ -617,6 +617,33 @@ def all_to_all(tensor: Tensor, group: ProcessGroup, what: str | None = None) -> 
     return Pending(out, op="all_to_all", group=group, what=what)
 
 
+def all_to_all_v(
+    tensor: Tensor,
+    send: list[int],
+    receive: list[int],
+    group: ProcessGroup,
+    total: int,
+    what: str | None = None,
+) -> Pending:
+    """Uneven all-to-all: this rank sends `tensor`'s consecutive pieces of `send[j]`
+    elements to rank j and gets `receive[r]` elements from rank r, concatenated in rank
+    order. Sizes differ by rank, so the cross-rank check compares `total`, the elements the
+    whole group exchanges, which every rank derives from one shared plan."""
+    if alone(group):
+        return Pending(tensor, done=True)
+    _before("all_to_all", group, tensor, what, agreed=total)
+    if _eager(tensor):
+        out = tensor.new_empty(sum(receive))
+        with _below_autograd():
+            work = dist.all_to_all_single(
+                out, tensor.contiguous(), receive, send, group=group, async_op=True
+            )
+        return Pending(out, op="all_to_all", group=group, what=what, work=work)
+    with _below_autograd():
+        out = _ops.all_to_all_single(tensor, receive, send, group.group_name)
+    return Pending(out, op="all_to_all", group=group, what=what)
+
+
 def all_to_alled(tensor: Tensor, group: ProcessGroup) -> Tensor:
     """`all_to_all(...).wait()` as plain graph nodes (see `gathered`)."""
     if alone(group):
@@ -801,10 +828,12 @@ def left_compiled(name: str, call: int, issued: int | None) -> None:
     _Issued.inside = None
 
 
-def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str | None) -> None:
+def _before(
+    op: str, group: ProcessGroup, tensor: Tensor, what: str | None, agreed: int | None = None
+) -> None:
     """Count the collective as the last issued, record it for `record()` and, on a checked
-    group, compare it across ranks. None of it while torch compiles (see [Note: bookkeeping
-    outside compiled graphs])."""
+    group, compare it across ranks (its size, or `agreed` where sizes differ by rank). None
+    of it while torch compiles (see [Note: bookkeeping outside compiled graphs])."""
     if torch.compiler.is_compiling():
         return
     if _OutOfStep.reason is not None:
@@ -819,7 +848,7 @@ def _before(op: str, group: ProcessGroup, tensor: Tensor, what: str | None) -> N
         for log in _recording:
             log.append(entry)
     if group.group_name in _checked_groups:
-        _agree(op, group, tensor, what)
+        _agree(op, group, tensor, what, agreed)
 
 
 def _failed(
@@ -914,9 +943,12 @@ def forget_checked_groups() -> None:
     _TWINS.clear()
 
 
-def _agree(op: str, group: ProcessGroup, tensor: Tensor, what: str | None) -> None:
-    mine = (op, tensor.numel(), str(tensor.dtype), what)
-    code = [_OP_CODES[op], tensor.numel(), zlib.crc32(f"{tensor.dtype}|{what}".encode())]
+def _agree(
+    op: str, group: ProcessGroup, tensor: Tensor, what: str | None, agreed: int | None = None
+) -> None:
+    numel = tensor.numel() if agreed is None else agreed
+    mine = (op, numel, str(tensor.dtype), what)
+    code = [_OP_CODES[op], numel, zlib.crc32(f"{tensor.dtype}|{what}".encode())]
     local = torch.tensor(code, dtype=torch.int64, device=tensor.device)
     check = _gathering(local, group, f"collective check before {op}", what)
     rows = check.wait().view(group.size(), len(code))  # a failure raises naming the check

@@ -17,12 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from funcshard.groups import GroupView
 from funcshard.state import ShardedGrads, ShardedState, ensure_live
 
 
 def leaves(tree: Any) -> list[Any]:
     """The trainable view's leaves of a ShardedState, ShardedGrads, dict, tuple or list."""
-    if isinstance(tree, ShardedState | ShardedGrads):
+    if isinstance(tree, ShardedState | ShardedGrads | GroupView):
         ensure_live(tree, "tree_map")
         return tree.leaves()
     if isinstance(tree, Mapping):
@@ -45,6 +46,8 @@ def with_leaves(tree: Any, new: list[Any]) -> Any:
         if isinstance(tree, ShardedState):
             return tree.replace(shards=shards, replicated=replicated)
         return ShardedGrads(shards=shards, layout=layout, replicated=replicated)
+    if isinstance(tree, GroupView):
+        return GroupView(tuple(new), tree.layout, tree.parts)
     if isinstance(tree, Mapping):
         return dict(zip(tree.keys(), new, strict=True))
     return type(tree)(new)

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives
+from funcshard.groups import GroupView
 from funcshard.mesh import Mesh
 from funcshard.state import ShardedGrads, ensure_live
 
@@ -85,23 +86,30 @@ def pmean(tree: Any, mesh: Mesh, axis: str | None = None) -> Any:
     return _reduced(tree, mesh, mean=True, axis=axis)
 
 
-def global_norm(grads: ShardedGrads | Mapping[str, Tensor | None]) -> Tensor:
+def global_norm(grads: ShardedGrads | GroupView | Mapping[str, Tensor | None]) -> Tensor:
     """The L2 norm of the whole gradient, a 0-d float32 tensor: `clip_grad_norm_`'s total
     norm. Of ShardedGrads: every parameter of every rank's shard counted once, the same on
     every rank (one all-reduce of one number over the shard axis; replicas hold the same
     shards). Of a dict of gradients: this process's, no communication."""
-    if not isinstance(grads, ShardedGrads):
+    if isinstance(grads, GroupView):  # a group of `partition`: its sharded leaves, its whole
+        n = len(grads.layout.flats)
+        pairs = list(zip(grads.parts, grads.values, strict=True))
+        sharded = [g for p, g in pairs if p.source < n]
+        whole = [g for p, g in pairs if p.source >= n]
+    elif isinstance(grads, ShardedGrads):
+        sharded, whole = list(grads.shards), list(grads.replicated.values())
+    else:
         return _sum_of_squares(grads.values(), None).sqrt()
     ensure_live(grads, "global_norm")
     device = grads.layout.mesh.device
     squares = collectives.all_reduce(
-        _sum_of_squares(grads.shards, device),
+        _sum_of_squares(sharded, device),
         grads.layout.mesh.shard_group,
         "sum",
         what="<global grad norm>",
     ).wait()
     # replicated (ignored) parameters' gradients are whole on every rank: counted once
-    return (squares + _sum_of_squares(grads.replicated.values(), device)).sqrt()
+    return (squares + _sum_of_squares(whole, device)).sqrt()
 
 
 def _sum_of_squares(grads: Iterable[Tensor | None], device: torch.device | None) -> Tensor:

@@ -37,7 +37,6 @@ import contextlib
 import functools
 import inspect
 import math
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +45,7 @@ import torch
 from torch import Tensor
 
 from funcshard import finite
+from funcshard.groups import GroupView, Part, group_of, group_parts, scatter
 from funcshard.layout import frozen_ranges
 from funcshard.leaves import leaves as leaves
 from funcshard.leaves import with_leaves
@@ -141,7 +141,7 @@ def _recording_only_through_grads(update: Callable[..., Any]) -> Callable[..., A
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         grads = args[0] if args else kwargs.get("grads")
-        if not isinstance(grads, ShardedGrads | Mapping):
+        if not isinstance(grads, ShardedGrads | GroupView | Mapping):
             return update(*args, **kwargs)  # not ours to judge: recorded as written
         if any(isinstance(g, Tensor) and g.requires_grad for g in _grad_leaves(grads)):
             return update(*args, **kwargs)
@@ -205,7 +205,7 @@ register_record(EmptyState, data_fields=(), meta_fields=())
 
 
 def _param_leaves(params: Any) -> list[Tensor]:
-    if isinstance(params, ShardedState):
+    if isinstance(params, ShardedState | GroupView):
         ensure_live(params, "optim")
         return params.leaves()
     if isinstance(params, Mapping):
@@ -218,7 +218,7 @@ def _param_leaves(params: Any) -> list[Tensor]:
 
 
 def _grad_leaves(grads: Any) -> list[Tensor | None]:
-    if isinstance(grads, ShardedGrads):
+    if isinstance(grads, ShardedGrads | GroupView):
         ensure_live(grads, "optim")
         return grads.leaves()
     if isinstance(grads, Mapping):
@@ -682,12 +682,16 @@ def _chosen(where: bool | Tensor, then: Tensor | None, otherwise: Tensor | None)
 
 @dataclass(frozen=True, eq=False)
 class PartitionState:
-    """The state of each group's optimizer, by label."""
+    """The state of each group's optimizer, by label, and (for sharded params) each group's
+    parts (see [Note: a parameter group's view]): what a checkpoint needs to split a packed
+    moment into per-parameter pieces."""
 
     states: dict[str, Any]
+    groups: tuple[tuple[str, tuple[Part, ...]], ...] = ()
 
 
-_state_record(PartitionState, ("states",))
+register_record(PartitionState, data_fields=("states",), meta_fields=("groups",))
+donatable(PartitionState, ("states",))
 
 
 def partition(optimizers: Mapping[str, Optimizer], labels: Labels) -> Optimizer:
@@ -695,44 +699,56 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Labels) -> Optimizer:
     `optax.multi_transform` (torch.optim's param groups). `labels` is a function
     `(fqn, param) -> label` (`param` a meta tensor of the full shape) or a dict FQN -> label.
 
-    Each optimizer sees the gradients of its own group only (others' are zero, or None for
-    a whole leaf outside it), so a global norm or a trust ratio counts its group alone. Its
-    state covers every leaf that holds part of its group: on flat shards, where groups share
-    a buffer, the moments of k groups take k times the memory."""
+    Each optimizer sees its own group's parameters only: on a dict, the sub-dict; on flat
+    shards, a `GroupView` whose leaves hold only the group's elements where groups share a
+    buffer (see [Note: a parameter group's view]). So a global norm or a trust ratio counts
+    its group alone, `whole_params` makes only its group's parameters whole, and the
+    optimizer state is what torch.optim keeps for the same param groups, divided over the
+    shard axis, not once per group."""
     names = list(optimizers)
-    # one mask object per group for the optimizer's life, so each group's per-element mask
-    # is built once per layout (see `Segments.mask`), as are the labels checked
-    wheres = {name: _group_mask(labels, name) for name in names}
-    checked: weakref.WeakSet = weakref.WeakSet()
+    by_layout: dict[Any, dict[str, frozenset[str]]] = {}
 
-    def group_masks(params: Any) -> dict[str, list[bool | Tensor]]:
+    def members(params: Any) -> dict[str, frozenset[str]]:
+        layout = getattr(params, "layout", None)
+        if layout is not None and layout in by_layout:
+            return by_layout[layout]
         seg = segments(params)
-        if seg not in checked:
-            _check_labels(seg, labels, names)
-            checked.add(seg)
-        return {name: seg.mask(wheres[name]) for name in names}
+        _check_labels(seg, labels, names)
+        pairs = [pair for leaf in seg.params for pair in leaf]
+        if isinstance(labels, Mapping):
+            label_of = {f: labels.get(f) for f, _ in pairs}
+        else:
+            label_of = {f: labels(f, p) for f, p in pairs}
+        found = {name: frozenset(f for f, lab in label_of.items() if lab == name) for name in names}
+        if layout is not None:
+            by_layout[layout] = found
+        return found
+
+    def groups_of(params: Any, found: dict[str, frozenset[str]]) -> tuple:
+        if not isinstance(params, ShardedState):
+            return ()
+        return tuple((name, group_parts(params.layout, found[name])) for name in names)
 
     def init(params: Any) -> PartitionState:
-        return PartitionState(states={name: optimizers[name].init(params) for name in names})
+        found = members(params)
+        states = {name: optimizers[name].init(group_of(params, found[name])) for name in names}
+        return PartitionState(states=states, groups=groups_of(params, found))
 
     def update(
         grads: Any, state: PartitionState, params: Any, donate: bool = False
     ) -> tuple[Any, PartitionState]:
-        masks = group_masks(params)
+        found = members(params)
+        keys = list(grads) if isinstance(grads, Mapping) else None
         out: list[Tensor | None] = [None] * len(_grad_leaves(grads))
         new_states = {}
         for name in names:
-            mine = [
-                _chosen(w, g, None) for w, g in zip(masks[name], _grad_leaves(grads), strict=True)
-            ]
+            mine = group_of(grads, found[name])
             updates, new_states[name] = optimizers[name].update(
-                _like(grads, mine), state.states[name], params
+                mine, state.states[name], group_of(params, found[name])
             )
-            out = [
-                _chosen(w, u, o)
-                for w, u, o in zip(masks[name], _grad_leaves(updates), out, strict=True)
-            ]
-        return _like(grads, out, donate), PartitionState(states=new_states)
+            scatter(mine, updates, out, keys)
+        new_state = PartitionState(states=new_states, groups=state.groups)
+        return _like(grads, out, donate), new_state
 
     return Optimizer(init, update)
 
@@ -883,3 +899,6 @@ def _live(grads: Any, params: Any) -> list[tuple[int, Tensor, Tensor]]:
         for i, (p, g) in enumerate(zip(param_leaves, grad_leaves, strict=True))
         if g is not None
     ]
+
+from funcshard.muon import muon as muon  # noqa: E402
+from funcshard.whole_params import whole_params as whole_params  # noqa: E402  (needs Optimizer)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives
+from funcshard.groups import GroupView
 from funcshard.layout import FlatLayout
 from funcshard.state import ShardedGrads, ShardedState
 from funcshard.tree import format_names
@@ -56,6 +57,7 @@ class _Leaf:
     dtype: torch.dtype
     flat: FlatLayout | None  # None: a whole tensor, one parameter
     shard_rank: int
+    packed: bool = False  # only this rank's pieces of `fqns`, of `flat` (see groups.py)
 
 
 class Segments:
@@ -90,16 +92,7 @@ class Segments:
         if leaf.flat is None:
             numel = math.prod(leaf.shapes[0])
             return [Piece(leaf.fqns[0], leaf.shapes[0], slice(0, numel), 0)]
-        flat = leaf.flat
-        base = leaf.shard_rank * flat.shard_numel
-        out = []
-        for fqn, shape, offset, numel in zip(
-            flat.fqns, flat.shapes, flat.offsets, flat.numels, strict=True
-        ):
-            lo, hi = max(base, offset), min(base + flat.shard_numel, offset + numel)
-            if lo < hi:
-                out.append(Piece(fqn, shape, slice(lo - base, hi - base), lo - offset))
-        return out
+        return list(_pieces(leaf))
 
     def sum(self, values: Sequence[Tensor | None]) -> list[Tensor | None]:
         """Per leaf, each parameter's sum of `values` (lined up with the leaves) over the
@@ -115,7 +108,7 @@ class Segments:
             if leaf.flat is None:
                 out.append(v.sum().reshape(1))
                 continue
-            owner = _owners(leaf.flat, leaf.shard_rank, v.device)
+            owner = _owner_index(leaf, v.device)
             local = v.new_zeros(len(leaf.fqns) + 1).index_add_(0, owner, v.reshape(-1))
             out.append(local[:-1])
             sharded.append(i)
@@ -138,7 +131,7 @@ class Segments:
             elif leaf.flat is None:
                 out.append(p.reshape(()))
             else:
-                owner = _owners(leaf.flat, leaf.shard_rank, p.device)
+                owner = _owner_index(leaf, p.device)
                 out.append(torch.cat([p, p.new_zeros(1)])[owner])
         return out
 
@@ -156,13 +149,18 @@ class Segments:
                 out.append(per_param[0])
             else:
                 chosen = torch.tensor([*per_param, False], device=self._device)
-                out.append(chosen[_owners(leaf.flat, leaf.shard_rank, self._device)])
+                out.append(chosen[_owner_index(leaf, self._device)])
         self._masks[id(where)] = (where, out)
         return out
 
 
 def segments(params: Any) -> Segments:
-    """The per-parameter view of `params` (a ShardedState, or a dict of tensors)."""
+    """The per-parameter view of `params` (a ShardedState, a group of one in `partition`,
+    or a dict of tensors)."""
+    if isinstance(params, GroupView):
+        layout = params.layout
+        meta = _replicated_meta(params) if layout.replicated else ()
+        return _group_segments(layout, layout.mesh.shard_rank, params.parts, meta)
     if isinstance(params, ShardedState | ShardedGrads):
         layout = params.layout
         return _sharded_segments(layout, layout.mesh.shard_rank, _replicated_meta(params))
@@ -176,9 +174,17 @@ def segments(params: Any) -> Segments:
     )
 
 
-def _replicated_meta(params: ShardedState | ShardedGrads) -> tuple:
+def _replicated_meta(params: ShardedState | ShardedGrads | GroupView) -> tuple:
     """(fqn, shape, dtype) of each replicated parameter (grads may lack frozen ones')."""
-    tensors = params.replicated
+    if isinstance(params, GroupView):
+        n = len(params.layout.flats)
+        tensors = {
+            params.layout.replicated[p.source - n]: v
+            for p, v in zip(params.parts, params.values, strict=True)
+            if p.source >= n
+        }
+    else:
+        tensors = params.replicated
     return tuple(
         (f, tuple(tensors[f].shape), tensors[f].dtype)
         if tensors.get(f) is not None
@@ -192,6 +198,61 @@ def _sharded_segments(layout: Any, shard_rank: int, replicated: tuple) -> Segmen
     leaves = [_Leaf(f.fqns, f.shapes, f.dtype, f, shard_rank) for f in layout.flats]
     leaves += [_Leaf((f,), (shape,), dtype, None, shard_rank) for f, shape, dtype in replicated]
     return Segments(tuple(leaves), layout.mesh.shard_group, layout.mesh.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _group_segments(layout: Any, shard_rank: int, parts: tuple, replicated: tuple) -> Segments:
+    """Segments of a group's view: packed leaves name only the group's parameters."""
+    n, whole = len(layout.flats), {f: (s, d) for f, s, d in replicated}
+    leaves = []
+    for part in parts:
+        if part.source >= n:
+            shape, dtype = whole.get(part.fqns[0], ((), torch.float32))
+            leaves.append(_Leaf(part.fqns, (shape,), dtype, None, shard_rank))
+            continue
+        flat = layout.flats[part.source]
+        if not part.packed:
+            leaves.append(_Leaf(flat.fqns, flat.shapes, flat.dtype, flat, shard_rank))
+            continue
+        shapes = tuple(flat.shapes[flat.fqns.index(f)] for f in part.fqns)
+        leaves.append(_Leaf(part.fqns, shapes, flat.dtype, flat, shard_rank, packed=True))
+    return Segments(tuple(leaves), layout.mesh.shard_group, layout.mesh.device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pieces(leaf: _Leaf) -> tuple[Piece, ...]:
+    """This rank's piece of each of a flat leaf's parameters (of a packed leaf's: only its
+    own, placed one after another)."""
+    flat = leaf.flat
+    base = leaf.shard_rank * flat.shard_numel
+    chosen, at, out = set(leaf.fqns), 0, []
+    for fqn, shape, offset, numel in zip(
+        flat.fqns, flat.shapes, flat.offsets, flat.numels, strict=True
+    ):
+        lo, hi = max(base, offset), min(base + flat.shard_numel, offset + numel)
+        if lo >= hi or (leaf.packed and fqn not in chosen):
+            continue
+        local = slice(at, at + hi - lo) if leaf.packed else slice(lo - base, hi - base)
+        out.append(Piece(fqn, shape, local, lo - offset))
+        at += hi - lo
+    return tuple(out)
+
+
+def _owner_index(leaf: _Leaf, device: torch.device) -> Tensor:
+    """Per element of a flat leaf: the index in `leaf.fqns` of the parameter that owns it
+    (`len(leaf.fqns)` for padding)."""
+    if not leaf.packed:
+        return _owners(leaf.flat, leaf.shard_rank, device)
+    return _packed_owners(leaf, device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed_owners(leaf: _Leaf, device: torch.device) -> Tensor:
+    at = {f: i for i, f in enumerate(leaf.fqns)}
+    pieces = _pieces(leaf)
+    counts = torch.tensor([p.local.stop - p.local.start for p in pieces], dtype=torch.long)
+    index = torch.tensor([at[p.fqn] for p in pieces], dtype=torch.long)
+    return torch.repeat_interleave(index, counts).to(device)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,0 +1,243 @@
+"""Which rank of a shard group owns each whole parameter, and the two exchanges that move
+parameters to their owners and updates back.
+
+[Note: whole parameters on their owners]
+A flat shard mixes pieces of several parameters, and one parameter may be spread over
+several ranks, so math on a whole parameter (Muon's orthogonalization, a trust ratio) must
+first make it whole somewhere. Gathering every parameter on every rank (what FSDP2 does
+for torch.optim.Muon through DTensor) repeats each parameter's math on every rank. Here
+each trained parameter gets one owner in its shard group, chosen once per layout by
+largest-first greedy balancing of numel (the ranks' work stays within one matrix of even).
+A step is then two uneven all-to-alls over the shard group per dtype: every rank sends its
+pieces of each parameter (gradient and value together) to the owner, which concatenates
+them in rank order (shards hold consecutive ranges, so that is the flattened parameter);
+the owner runs the math and sends each rank the piece of the update that its shard holds.
+Traffic per step is about one gradient and one parameter out and one update back, the
+same order as a reduce-scatter, and no rank ever holds more than its owned parameters
+whole.
+
+Replicas (HSDP's replica groups, DDP's ranks) hold the same shards and do the same work on
+the same owners: splitting the work across replicas as well would need a second exchange
+over the replicate axis each step, while replicas already repeat every other optimizer's
+math; so the owned state is replicated like any other optimizer state. On DDP (a shard
+group of one) every parameter is owned locally and nothing is exchanged. Leaves that are
+whole tensors (a dict's values, replicated parameters) are computed where they are, on
+every rank that holds them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from funcshard import collectives
+from funcshard.layout import FlatLayout
+
+
+@dataclass(frozen=True)
+class Member:
+    """A trained parameter inside a flat leaf: its place in the unsharded buffer and its
+    owner (a rank of the shard group)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    leaf: int
+    offset: int
+    numel: int
+    owner: int
+    local: int = 0  # where this rank's piece starts in this rank's leaf
+
+    def piece(self, rank: int, shard_numel: int) -> tuple[int, int]:
+        """`[lo, hi)` of the flattened parameter that rank `rank`'s shard holds."""
+        base = rank * shard_numel
+        lo = max(base, self.offset) - self.offset
+        hi = min(base + shard_numel, self.offset + self.numel) - self.offset
+        return (lo, hi) if lo < hi else (0, 0)
+
+
+@dataclass(frozen=True)
+class Whole:
+    """A leaf that holds one parameter whole (a dict's value, a replicated parameter):
+    computed on every rank that has it, nothing exchanged."""
+
+    fqn: str
+    leaf: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The owners of one set of trained parameters on one rank of a shard group."""
+
+    members: tuple[Member, ...]  # flat leaves' trained parameters, in leaf then offset order
+    wholes: tuple[Whole, ...]
+    shard_numels: tuple[int, ...]  # per leaf (0 for a whole leaf)
+    size: int  # of the shard group
+    rank: int  # this rank, in the shard group
+
+    @functools.cached_property
+    def mine(self) -> tuple[Member, ...]:
+        """The members this rank owns."""
+        return tuple(m for m in self.members if m.owner == self.rank)
+
+    @property
+    def owned_fqns(self) -> tuple[str, ...]:
+        """Every parameter this rank computes: its members, then its whole leaves."""
+        return tuple(m.fqn for m in self.mine) + tuple(w.fqn for w in self.wholes)
+
+    def piece(self, member: Member, rank: int) -> tuple[int, int]:
+        return member.piece(rank, self.shard_numels[member.leaf])
+
+
+def plan(
+    flats: Sequence[tuple[int, FlatLayout, tuple[str, ...], tuple[str, ...] | None]],
+    wholes: Sequence[tuple[int, str]],
+    size: int,
+    rank: int,
+) -> Plan:
+    """Owners for the trained parameters `flats` lists (leaf index, buffer, trained FQNs of
+    it, and for a packed leaf the FQNs it holds pieces of: see funcshard/groups.py),
+    balanced by numel, and the whole leaves `wholes` lists ((leaf index, fqn))."""
+    found = []
+    for leaf, flat, trained, packed in flats:
+        chosen, base, at = set(trained), rank * flat.shard_numel, 0
+        for fqn, shape, offset, numel in zip(
+            flat.fqns, flat.shapes, flat.offsets, flat.numels, strict=True
+        ):
+            if packed is not None and fqn not in packed:
+                continue
+            lo, hi = max(base, offset), min(base + flat.shard_numel, offset + numel)
+            local = at if packed is not None else lo - base
+            if fqn in chosen:
+                found.append((fqn, shape, leaf, offset, numel, local))
+            at += max(hi - lo, 0)
+    owners = _balanced([f[4] for f in found], size)
+    members = tuple(
+        Member(fqn, shape, leaf, offset, numel, owner, local)
+        for (fqn, shape, leaf, offset, numel, local), owner in zip(found, owners, strict=True)
+    )
+    numels = [0] * (1 + max([f[0] for f in flats] + [leaf for leaf, _ in wholes] + [-1]))
+    for leaf, flat, *_ in flats:
+        numels[leaf] = flat.shard_numel
+    return Plan(members, tuple(Whole(f, leaf) for leaf, f in wholes), tuple(numels), size, rank)
+
+
+def _balanced(numels: list[int], size: int) -> list[int]:
+    """An owner per item: largest first, each to the least loaded rank (lowest on a tie)."""
+    load = [0] * size
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        rank = min(range(size), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += numels[i]
+    return owners
+
+
+def to_owners(plan: Plan, kinds: Sequence[Sequence[Tensor | None]], group) -> list[dict]:
+    """For each kind of leaves (gradients, parameters: lists lined up with the leaves), the
+    whole tensors of the parameters this rank owns, `{fqn: tensor of its shape}`.
+    Communicates: one uneven all-to-all per dtype over the shard group."""
+    out: list[dict[str, Tensor]] = [{} for _ in kinds]
+    for k, leaves in enumerate(kinds):
+        for whole in plan.wholes:
+            out[k][whole.fqn] = leaves[whole.leaf]
+    entries = [(k, m) for k in range(len(kinds)) for m in plan.members]
+    for dtype, chosen in _by_dtype(entries, lambda e: kinds[e[0]][e[1].leaf].dtype):
+        pieces = _exchange_out(plan, chosen, kinds, dtype, group)
+        for (k, m), parts in pieces.items():
+            out[k][m.fqn] = (torch.cat(parts) if len(parts) > 1 else parts[0]).view(m.shape)
+    return out
+
+
+def from_owners(
+    plan: Plan, updates: dict[str, Tensor], like: Sequence[Tensor | None], group
+) -> list[Tensor | None]:
+    """Leaves lined up with `like` (this rank's gradient leaves) holding the owners'
+    `updates` (this rank's owned parameters' whole updates) at this rank's pieces; zero
+    where no trained parameter lies, None where `like` is None.
+    Communicates: one uneven all-to-all per dtype over the shard group."""
+    out: list[Tensor | None] = [None if g is None else torch.zeros_like(g) for g in like]
+    for whole in plan.wholes:
+        if like[whole.leaf] is not None:
+            out[whole.leaf] = updates[whole.fqn].to(like[whole.leaf].dtype)
+    for dtype, chosen in _by_dtype(plan.members, lambda m: like[m.leaf].dtype):
+        mine = [m for m in chosen if m.owner == plan.rank]
+        sends = [
+            [updates[m.fqn].reshape(-1)[slice(*plan.piece(m, r))].to(dtype) for m in mine]
+            for r in range(plan.size)
+        ]
+        receives = [_held(plan, chosen, r) for r in range(plan.size)]
+        total = sum(m.numel for m in chosen)
+        received = _exchange(sends, receives, dtype, group, total, "<whole-parameter updates>")
+        for owner, buffer in enumerate(received):
+            at = 0
+            for m in chosen:
+                if m.owner != owner:
+                    continue
+                lo, hi = plan.piece(m, plan.rank)
+                if hi > lo:
+                    out[m.leaf][m.local : m.local + hi - lo] = buffer[at : at + hi - lo]
+                    at += hi - lo
+    return out
+
+
+def _held(plan: Plan, chosen: Sequence[Member], owner: int) -> int:
+    """How many elements this rank receives back from `owner`: its pieces of what `owner`
+    owns."""
+    return sum(hi - lo for m in chosen if m.owner == owner for lo, hi in [plan.piece(m, plan.rank)])
+
+
+def _exchange_out(plan: Plan, chosen, kinds, dtype, group) -> dict:
+    """Send each (kind, member) piece this rank holds to the member's owner; return, per
+    (kind, member) this rank owns, its pieces in rank order."""
+    me = plan.rank
+    sends = []
+    for r in range(plan.size):
+        parts = []
+        for k, m in chosen:
+            lo, hi = plan.piece(m, me)
+            if m.owner == r and hi > lo:
+                parts.append(kinds[k][m.leaf][m.local : m.local + hi - lo])
+        sends.append(parts)
+    receives = [
+        sum(hi - lo for k, m in chosen if m.owner == me for lo, hi in [plan.piece(m, r)])
+        for r in range(plan.size)
+    ]
+    total = sum(m.numel for _, m in chosen)
+    received = _exchange(sends, receives, dtype, group, total, "<whole parameters to owners>")
+    pieces: dict = {}
+    for r, buffer in enumerate(received):
+        at = 0
+        for k, m in chosen:
+            if m.owner != me:
+                continue
+            lo, hi = plan.piece(m, r)
+            if hi > lo:
+                pieces.setdefault((k, m), []).append(buffer[at : at + hi - lo])
+                at += hi - lo
+    return pieces
+
+
+def _exchange(
+    sends: list[list[Tensor]], receives: list[int], dtype, group, total: int, what: str
+) -> list[Tensor]:
+    """One uneven all-to-all: `sends[r]` (tensors, concatenated) to rank r; the buffers
+    received, per source rank. `total`: what the whole group exchanges (see
+    `collectives.all_to_all_v`)."""
+    send_sizes = [sum(t.numel() for t in parts) for parts in sends]
+    flat = [t.reshape(-1) for parts in sends for t in parts]
+    device = flat[0].device if flat else torch.device("cpu")
+    buffer = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    result = collectives.all_to_all_v(buffer, send_sizes, receives, group, total, what).wait()
+    return list(result.split(receives))
+
+
+def _by_dtype(items, dtype_of) -> list[tuple[torch.dtype, list]]:
+    """`items` grouped by dtype, groups in a fixed order (the same on every rank)."""
+    groups: dict[torch.dtype, list] = {}
+    for item in items:
+        groups.setdefault(dtype_of(item), []).append(item)
+    return sorted(groups.items(), key=lambda kv: str(kv[0]))
