@@ -1,6 +1,7 @@
 """Train a character-level GPT with funcshard, one process per rank, as a plain script.
 
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py [--steps 300] [--mode fsdp]
+        [--optimizer adamw|muon]
 
 On GPUs torchrun starts one rank per GPU and `Mesh.from_env()` picks NCCL; on CPUs, gloo.
 The text is the Python standard library's own source, so nothing is downloaded.
@@ -33,11 +34,25 @@ def loss_fn(model: GPT, state: fs.ShardedState, x: torch.Tensor, y: torch.Tensor
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
+def optimizer(name: str) -> fs.optim.Optimizer:
+    """AdamW on everything, or Muon on the blocks' matrices and AdamW on the rest (each
+    matrix orthogonalized whole, once, on one owner rank: see fs.optim.whole_params)."""
+    if name == "adamw":
+        return fs.optim.adamw(3e-3)
+
+    def label(fqn: str, param: torch.Tensor) -> str:
+        return "muon" if param.ndim == 2 and fqn.startswith("blocks.") else "adamw"
+
+    groups = {"muon": fs.optim.muon(0.02, weight_decay=0.01), "adamw": fs.optim.adamw(3e-3)}
+    return fs.optim.partition(groups, label)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
     parser.add_argument("--mode", choices=["fsdp", "replicate"], default="fsdp")
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--checkpoint-dir", default=None, help="saves here; resumes from here")
     parser.add_argument("--checkpoint-every", type=int, default=100)
@@ -57,7 +72,7 @@ def main() -> None:
         state = fs.replicate(model, mesh)
     else:
         state = fs.shard(model, fs.plan(model, policy=fs.policy.module_classes({Block})), mesh)
-    opt = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.adamw(3e-3))
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), optimizer(args.optimizer))
     opt_state = opt.init(state)
     start = 0
     if args.checkpoint_dir and os.path.exists(os.path.join(args.checkpoint_dir, "LATEST")):

@@ -11,8 +11,10 @@ import pytest
 SCRIPT = Path(__file__).parents[1] / "examples" / "train_gpt.py"
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "replicate"])
-def test_train_gpt_runs_under_torchrun(mode, tmp_path):
+@pytest.mark.parametrize(
+    ("mode", "optimizer"), [("fsdp", "muon"), ("replicate", "adamw")]
+)
+def test_train_gpt_runs_under_torchrun(mode, optimizer, tmp_path):
     cmd = [
         sys.executable,
         "-m",
@@ -25,6 +27,8 @@ def test_train_gpt_runs_under_torchrun(mode, tmp_path):
         "20",
         "--mode",
         mode,
+        "--optimizer",
+        optimizer,
         "--checkpoint-dir",
         str(tmp_path),
     ]
