@@ -29,7 +29,12 @@ functions run inside the one op (see [Note: one differentiable gather]) and comp
 what the op supports: mixed precision, HSDP, reshard k (the 1/k slices kept after forward
 are of the user-gathered buffer, regathered exactly with a plain all-gather), accumulation
 (`reduce=False` then `fs.reduce(..., comm=...)`), `torch.autograd.grad`, `torch.func` and
-torch.compile. A size-1 shard axis (DDP) communicates nothing and calls neither function.
+torch.compile. A size-1 shard axis communicates nothing and calls neither function, but on
+a DDP mesh (`fs.replicate`: one-rank shard axis, several replicas) the reduce takes the
+place of each bucket's all-reduce: it gets the replicate axis and returns the whole mean
+(the one rank's "chunk" of a one-rank shard axis is the whole buffer). A DDP state gathers
+nothing, so a `Comm` with a gather is refused there. Under `all_reduce=False` nothing is
+reduced across replicas and a DDP buffer's reduce does not run.
 
 State: a reduce with error feedback keeps a residual (what compression dropped, sent with
 the next step's gradient). It is explicit state the caller threads, as optimizer state:
@@ -44,6 +49,24 @@ backward. That costs what `reduce=False` costs: every full-size gradient held un
 ends. `carry_zeros(state)` is the usual start: one full-size zero buffer per trainable flat
 buffer, in the reduce dtype, so the residual of an fp32 reduce costs 4 bytes per parameter
 of the whole model on every rank (DDP's gradient buffer, N times a shard's fp32 copy).
+
+[Note: what a Comm is told about its buffer]
+A flat buffer concatenates several parameters (see [Note: flat buffers] in layout.py), and a
+compression that works per parameter (PowerSGD's low-rank factors of each weight matrix, a
+per-tensor scale) needs to know where each one lies. The `MeshAxis` a gather or a reduce
+receives says it, as static attributes derived from the layout: `buffer` (the buffer's name,
+`unit[dtype]`; on a DDP mesh the units are the gradient buckets), and per parameter in
+buffer order `fqns`, `shapes`, `numels` and `offsets`, each offset an index into the full
+(padded) buffer: the gather's result and the reduce's input. Parameter i is
+`full[offsets[i]:offsets[i] + numels[i]].view(shapes[i])`; the elements past the last one
+are padding (zero in a gradient). Rank r's shard is `full[r * n:(r + 1) * n]` with
+`n = full.numel() // axis.size` on the shard axis, where a parameter may straddle shards;
+that is why the description is of the full buffer. The frozen members of a trainable buffer
+(`plan(frozen="warn")`) are listed with zero gradients. Being plain tuples and strings on a
+frozen record, the attributes cost nothing per step (eagerly the axis is made once per
+layout, with the buffer's gather spec) and are constants to torch.compile (no guard, no
+recompilation). Parameters outside the flat buffers (a plan's `ignored`) are not shown to
+a `Comm`; their gradients are all-reduced as ever.
 
 Costs of the defaults: none. Without a `Comm` every path is the one it was (the gathers are
 prefetched, the reduce-scatters issued asynchronously and overlapped with backward). A user
@@ -65,6 +88,7 @@ from funcshard.mesh import Mesh
 from funcshard.precision import reduce_dtype
 
 if TYPE_CHECKING:
+    from funcshard.layout import FlatLayout
     from funcshard.state import ShardedState
 
 
@@ -74,7 +98,9 @@ class Comm:
     [Note: communication as user functions]); None keeps funcshard's collective.
 
     `gather(shard, axis) -> full`; `reduce(full, axis) -> shard`, or with a carry
-    `reduce(full, axis, carry) -> (shard, carry)`. `axis` is the shard axis (`MeshAxis`).
+    `reduce(full, axis, carry) -> (shard, carry)`. `axis` is the shard axis (`MeshAxis`;
+    on a DDP mesh the reduce's is the replicate axis and its shard the whole mean), and says
+    what the buffer holds (see [Note: what a Comm is told about its buffer]).
     """
 
     gather: Callable[..., Tensor] | None = None
@@ -93,10 +119,27 @@ class Comm:
 class MeshAxis:
     """One axis of a mesh ("shard" or "replicate") as user communication sees it: its size,
     this rank's index on it, and collectives over it that return finished tensors (eagerly
-    issued and waited, counted by `collectives.record()`; graph nodes when traced)."""
+    issued and waited, counted by `collectives.record()`; graph nodes when traced).
+
+    The axis a `Comm`'s gather and reduce receive also says what the flat buffer holds, so a
+    compression can work per parameter (see [Note: what a Comm is told about its buffer]):
+    `buffer` its name (`unit[dtype]`), and per parameter in buffer order `fqns`, `shapes`,
+    `numels` and `offsets` (where each starts in the full, padded buffer). All static: the
+    same on every rank and every step. An axis made by hand describes no buffer (all empty).
+    """
 
     mesh: Mesh
     name: str = "shard"
+    buffer: str = ""
+    fqns: tuple[str, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+    numels: tuple[int, ...] = ()
+    offsets: tuple[int, ...] = ()
+
+    @classmethod
+    def of_buffer(cls, mesh: Mesh, name: str, flat: FlatLayout) -> MeshAxis:
+        """The axis `name` of `mesh`, describing the flat buffer `flat`."""
+        return cls(mesh, name, flat.name, flat.fqns, flat.shapes, flat.numels, flat.offsets)
 
     def __post_init__(self) -> None:
         if self.name not in ("shard", "replicate"):

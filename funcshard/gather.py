@@ -86,10 +86,22 @@ class GatherSpec:
 
     @property
     def user_reduce(self) -> bool:
-        return self.comm is not None and self.comm.reduce is not None and self.mesh.shard > 1
+        """Whether the user's reduce replaces funcshard's: over the shard axis, or on a DDP
+        mesh (a one-rank shard axis) over the replicate axis, in place of the all-reduce
+        (reduction "mean" only: without the all-reduce there is nothing to replace)."""
+        if self.comm is None or self.comm.reduce is None:
+            return False
+        return self.mesh.shard > 1 or (self.replicated and self.reduction == "mean")
+
+    @property
+    def replicated(self) -> bool:
+        """Whether this is a DDP buffer: whole on every rank of a replicate axis."""
+        return self.mesh.shard == 1 and self.mesh.replicate > 1
 
     @property
     def across_replicas(self) -> bool:
+        if self.replicated and self.user_reduce:  # the user's reduce is the all-reduce
+            return False
         return self.reduction == "mean" and not collectives.alone(self.mesh.replicate_group)
 
     def __post_init__(self) -> None:
@@ -97,6 +109,10 @@ class GatherSpec:
         object.__setattr__(self, "gather_dtype", gather_dtype(self.mp, self.flat))
         object.__setattr__(self, "reduce_dtype", reduce_dtype(self.mp, self.flat))
         object.__setattr__(self, "device", self.mesh.device)  # the mesh's device then
+        # what a user's gather and reduce receive: see [Note: what a Comm is told about its
+        # buffer]; over the replicate axis on a DDP mesh, whose shard axis has one rank
+        axis = "replicate" if self.replicated else "shard"
+        object.__setattr__(self, "axis", MeshAxis.of_buffer(self.mesh, axis, self.flat))
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,12 +160,14 @@ def specs_and_sinks(
     if comm is not None and not isinstance(comm, Comm):
         raise TypeError(f"funcshard.call: comm must be a funcshard.Comm, got {comm!r}.")
     layout = state.layout
-    if comm is not None and layout.mesh.shard_size == 1 and layout.mesh.replicate_size > 1:
+    mesh = layout.mesh
+    if comm is not None and comm.gather is not None and mesh.shard == 1 and mesh.replicate > 1:
         raise ValueError(
-            "funcshard.Comm: this state is replicated (DDP: its shard axis has one rank), and "
-            "a Comm's gather and reduce work over the shard axis, so they would never run. "
-            "There is no user hook for the all-reduce across replicas yet; shard the state "
-            "(fs.shard, or an HSDP mesh) to use a Comm."
+            f"funcshard.Comm: this state is replicated (DDP: its shard axis has one rank), so "
+            f"it gathers nothing and the Comm's gather would never run, got "
+            f"gather={comm.gather!r}. Pass funcshard.Comm(reduce=...) alone (on a DDP state "
+            f"it replaces the all-reduce across replicas), or shard the state (fs.shard, or "
+            f"an HSDP mesh) to use a gather."
         )
     specs = _specs(layout, state.mp, reduction, comm)
     sinks = state.sinks if differentiated and state.sinks is not None else None
@@ -316,7 +334,7 @@ def user_gather(shard: Tensor, spec: GatherSpec) -> Tensor:
     """The user's gather of one buffer (see [Note: communication as user functions]), its
     result checked and cast to the gather dtype."""
     assert spec.comm is not None and spec.comm.gather is not None
-    full = spec.comm.gather(shard.to(spec.mesh.device), MeshAxis(spec.mesh, "shard"))
+    full = spec.comm.gather(shard.to(spec.mesh.device), spec.axis)
     _check_user_result(full, spec.flat.padded_numel, spec, "gather")
     return full.reshape(-1).to(spec.gather_dtype)
 
@@ -480,11 +498,12 @@ class _ReduceFlat(torch.autograd.Function):
 
 
 def user_reduce(grad: Tensor, spec: GatherSpec, carry: Any = None) -> Any:
-    """The user's reduce of one buffer's full gradient over the shard axis (see [Note:
-    communication as user functions]): this rank's chunk of the mean, in `grad`'s dtype;
-    with a carry, `(chunk, new carry)`."""
+    """The user's reduce of one buffer's full gradient over the shard axis, or a DDP
+    buffer's over the replicate axis (see [Note: communication as user functions]): this
+    rank's chunk of the mean (a DDP buffer's whole mean), in `grad`'s dtype; with a carry,
+    `(chunk, new carry)`."""
     assert spec.comm is not None and spec.comm.reduce is not None
-    axis = MeshAxis(spec.mesh, "shard")
+    axis = spec.axis
     if carry is None:
         out, new_carry = spec.comm.reduce(grad, axis), None
     else:
@@ -506,22 +525,25 @@ def reduce_whole(
     """One buffer's full gradient (prepared: reduce dtype, frozen members zeroed) to this
     rank's shard of its reduction by `op` over the mesh, outside autograd: the user's reduce
     over the shard axis when there is one (with its carry), then across replicas unless not
-    `all_reduce`. Returns `(shard, carry)`; the carry as given when no user reduce ran.
+    `all_reduce`. On a DDP mesh the user's reduce is the reduction across replicas: it runs
+    only when `all_reduce`. Returns `(shard, carry)`; the carry as given when no user reduce
+    ran.
 
     Communicates: the user's reduce or one reduce-scatter over the shard axis; one
-    all-reduce over the replicate axis (HSDP, DDP)."""
+    all-reduce over the replicate axis (HSDP, DDP) unless the user's reduce was it."""
     mesh = spec.mesh
-    shard_axis = MeshAxis(mesh, "shard")
-    if spec.user_reduce:
+    users = spec.user_reduce and (all_reduce or not spec.replicated)
+    if users:
         if carry is None:
             grad = user_reduce(full, spec)
         else:
             grad, carry = user_reduce(full, spec, carry)
         if op == "sum":
-            grad = grad * mesh.shard_size
+            grad = grad * spec.axis.size
     else:
-        grad = shard_axis.reduce_scatter(full, op)
-    if all_reduce and not collectives.alone(mesh.replicate_group):
+        grad = MeshAxis(mesh, "shard").reduce_scatter(full, op)
+    across = not (users and spec.replicated)  # a DDP buffer's user reduce was the all-reduce
+    if all_reduce and across and not collectives.alone(mesh.replicate_group):
         grad = MeshAxis(mesh, "replicate").all_reduce(grad, op)
     return grad, carry
 

@@ -287,7 +287,88 @@ def _comm_on_a_replicated_state(rank: int) -> str:
     return "no error"
 
 
-def test_a_comm_on_a_replicated_state_is_refused_not_silently_skipped():
-    """A DDP state's shard axis has one rank, where a Comm's functions would never run."""
+def test_a_gather_on_a_replicated_state_is_refused_not_silently_skipped():
+    """A DDP state gathers nothing (its shard axis has one rank): a Comm's gather would never
+    run there. (Its reduce does: it replaces the all-reduce, see the tests below.)"""
     for message in testing.run(_comm_on_a_replicated_state, world_size=2):
-        assert "would never run" in message and "fs.shard" in message, message
+        assert "would never run" in message and "Comm(reduce=...) alone" in message, message
+
+
+# -- what a Comm is told about its buffer (issue 38) -----------------------------------------
+
+_SEEN: list[tuple] = []  # in each rank's process: (function, axis) as the user's functions got
+
+
+def _described_gather(shard, axis):
+    _SEEN.append(("gather", axis))
+    return axis.all_gather(shard)
+
+
+def _described_reduce(full, axis):
+    _SEEN.append(("reduce", axis))
+    if axis.name == "replicate":  # a DDP buffer: the whole mean
+        return axis.all_reduce(full)
+    return axis.reduce_scatter(full)
+
+
+DESCRIBED = fs.Comm(gather=_described_gather, reduce=_described_reduce)
+_MESHES = {"fsdp 2": {"shard": 2}, "hsdp 2x2": {"replicate": 2, "shard": 2}, "ddp 2": {}}
+
+
+def _mlp_state(mesh: str):
+    """A small MLP, one unit (FSDP, HSDP: parameters straddle the shards) or DDP buckets."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh()
+    )
+    if mesh == "ddp 2":
+        return model, fs.replicate(
+            model, fs.Mesh(replicate=2), bucket_mb=1e-3, first_bucket_mb=1e-3
+        )
+    return model, fs.shard(model, fs.plan(model), fs.Mesh(**_MESHES[mesh]))
+
+
+def _mlp_loss(model, state, x, comm=None):
+    return fs.call(model, state, x, comm=comm).square().mean()
+
+
+def _described(mesh: str, rank: int) -> dict:
+    model, state = _mlp_state(mesh)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    comm = fs.Comm(reduce=_described_reduce) if mesh == "ddp 2" else DESCRIBED
+    loss = functools.partial(_mlp_loss, model)
+    _SEEN.clear()
+    with collectives.record() as log:
+        _, user = fs.value_and_grad(loss, comm=comm)(state, x)
+    _, default = fs.value_and_grad(loss)(state, x)
+    layout = [
+        (flat.name, flat.fqns, flat.shapes, flat.numels, flat.offsets)
+        for flat in state.layout.flats
+    ]
+    seen = [
+        (kind, a.name, a.size, (a.buffer, a.fqns, a.shapes, a.numels, a.offsets))
+        for kind, a in _SEEN
+    ]
+    return {"layout": layout, "seen": seen, "user": user, "default": default, "log": log}
+
+
+@pytest.mark.parametrize("mesh", list(_MESHES))
+def test_a_comms_functions_are_told_what_the_flat_buffer_holds(mesh):
+    """The axis a gather and a reduce receive names the buffer's parameters, their shapes,
+    sizes and offsets, as the layout has them; on DDP the reduce replaces each bucket's
+    all-reduce (over the replicate axis, no second all-reduce after it)."""
+    world = 4 if "2x2" in mesh else 2
+    for r in testing.run(functools.partial(_described, mesh), world):
+        assert_trees_close(r["user"], r["default"], rtol=1e-6, atol=1e-7)
+        layout, seen = r["layout"], r["seen"]
+        axis = "replicate" if mesh == "ddp 2" else "shard"
+        reduced = [desc for kind, name, size, desc in seen if kind == "reduce"]
+        assert {(name, size) for _, name, size, _ in seen} == {(axis, 2)}, seen
+        assert sorted(reduced) == sorted(layout), (reduced, layout)  # each buffer once
+        gathered = [desc for kind, _, _, desc in seen if kind == "gather"]
+        assert gathered == ([] if mesh == "ddp 2" else layout), gathered
+        if mesh == "ddp 2":
+            assert len(layout) >= 2  # several buckets
+            assert len(r["log"]) == len(layout)  # the user's all-reduces, no others
+        else:
+            assert len(layout) == 1 and len(layout[0][1]) == 4, layout
