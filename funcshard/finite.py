@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives
+from funcshard.groups import GroupView
 from funcshard.state import LocalGrads, ShardedGrads
 
 
@@ -42,7 +43,7 @@ def any_nonfinite(grads: Any) -> bool:
     """
     leaves = _leaves(grads)
     bad = local_flags(leaves).sum().reshape(1)
-    if isinstance(grads, ShardedGrads | LocalGrads):
+    if isinstance(grads, ShardedGrads | LocalGrads | GroupView):
         mesh = grads.layout.mesh
         bad = collectives.all_reduce(
             bad.to(mesh.device), mesh.group, "sum", what="<non-finite check>"
@@ -92,7 +93,7 @@ def check(loss: Tensor, grads: Any) -> None:
 
 
 def _leaves(grads: Any) -> list[Tensor | None]:
-    if isinstance(grads, ShardedGrads):
+    if isinstance(grads, ShardedGrads | GroupView):
         return grads.leaves()
     if isinstance(grads, LocalGrads):
         return list(grads.grads.values())

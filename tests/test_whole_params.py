@@ -61,6 +61,9 @@ def muon_fp32(lr: float = 0.02, momentum: float = 0.95) -> fs.optim.Optimizer:
 
 
 def _optimizers() -> dict[str, fs.optim.Optimizer]:
+    # eps 1e-3: Adam's first steps on a gradient near zero (attention's key bias) divide
+    # rounding noise by itself, which a different batch split changes
+    adamw_well_posed = fs.optim.adamw(3e-3, eps=1e-3, weight_decay_mask=_1d)
     groups = {"muon": fs.optim.muon(0.02), "adamw": fs.optim.adamw(3e-3)}
     return {
         "lars": fs.optim.whole_params(lars()),
@@ -68,7 +71,19 @@ def _optimizers() -> dict[str, fs.optim.Optimizer]:
             {"muon": fs.optim.whole_params(muon_fp32()), "adamw": fs.optim.sgd(0.0)}, _label
         ),
         "muon_adamw": fs.optim.partition(groups, _label),
+        # groups that reduce over their own elements: a clip by the group's norm, a skip
+        "clipped_groups": fs.optim.partition(
+            {
+                "muon": fs.optim.chain(fs.optim.clip_by_global_norm(0.05), fs.optim.sgd(0.1)),
+                "adamw": fs.optim.skip_nonfinite(adamw_well_posed),
+            },
+            _label,
+        ),
     }
+
+
+def _1d(fqn: str, p: torch.Tensor) -> bool:
+    return p.ndim == 1
 
 
 def _params(mesh: str, model: GPT):
@@ -132,12 +147,13 @@ def one_process() -> dict:
 
 @pytest.mark.parametrize("mesh", ["fsdp", "hsdp", "ddp"])
 def test_whole_param_optimizers_equal_one_process(mesh, one_process):
-    """LARS and an fp32 Muon through whole_params equal the same optimizers on one
-    process's params dict to 1e-5; muon + adamw in a partition is within Muon's own bf16
+    """LARS and an fp32 Muon through whole_params, and groups that clip by their own norm,
+    skip non-finite steps and mask their decay, equal the same optimizers on one process's
+    params dict to 1e-5; muon + adamw in a partition is within Muon's own bf16
     noise (1e-2 relative per parameter) of torch.optim.Muon + AdamW; and the partition's
     state per rank is torch.optim's divided by the shard size (plus padding), not twice it."""
     results = testing.run(functools.partial(_train, mesh), world_size=WORLD[mesh])
-    for name in ("lars", "muon_fp32"):
+    for name in ("lars", "muon_fp32", "clipped_groups"):
         for got in results:
             assert_trees_close(got[name][0], one_process[name][0], rtol=1e-5, atol=1e-6)
     reference, torch_bytes = _torch_muon_adamw()
