@@ -27,6 +27,8 @@ from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from compressed_reduce import EF4
 from diloco import parity
+from powersgd import carry_zeros as powersgd_carry
+from powersgd import powersgd
 from quantized_gather import BLOCK, Q8
 
 _CALLS = collections.Counter()  # in each rank's process: how often each user function ran
@@ -372,3 +374,66 @@ def test_a_comms_functions_are_told_what_the_flat_buffer_holds(mesh):
             assert len(r["log"]) == len(layout)  # the user's all-reduces, no others
         else:
             assert len(layout) == 1 and len(layout[0][1]) == 4, layout
+
+
+def _powersgd_exactness(mesh: str, examples: int, rank: int) -> dict:
+    """PowerSGD rank 2 against the exact mean, each rank's gradients from `examples` inputs:
+    a Linear's weight gradient is then a sum of `examples` outer products."""
+    model, state = _mlp_state(mesh)
+    x = torch.randn(examples, 8, generator=torch.Generator().manual_seed(100 + rank))
+    loss = functools.partial(_mlp_loss, model)
+    carry = powersgd_carry(state)
+    _, low, carry = fs.value_and_grad(loss, comm=powersgd(2), carry=carry)(state, x)
+    _, exact = fs.value_and_grad(loss)(state, x)
+    residual = max(c[0].abs().max().item() for c in carry if c is not None)
+    return {"low": fs.unshard(low), "exact": fs.unshard(exact), "residual": residual}
+
+
+@pytest.mark.parametrize("mesh", list(_MESHES))
+def test_powersgd_is_exact_when_the_mean_gradient_has_at_most_its_rank(mesh):
+    """One example per rank makes each weight gradient rank 1, their mean over the two ranks
+    of the reduce's axis rank 2: rank-2 PowerSGD (examples/powersgd.py) then sends it whole,
+    and leaves no residual. With 4 examples a rank, the mean has rank up to 8: then it is
+    lossy, and the residual holds what it dropped."""
+    world = 4 if "2x2" in mesh else 2
+    for r in testing.run(functools.partial(_powersgd_exactness, mesh, 1), world):
+        assert_trees_close(r["low"], r["exact"], rtol=1e-4, atol=1e-6)
+        assert r["residual"] < 1e-5, r["residual"]
+    for r in testing.run(functools.partial(_powersgd_exactness, mesh, 4), world):
+        worst = max((r["low"][k] - r["exact"][k]).abs().max().item() for k in r["exact"])
+        assert worst > 1e-3 and r["residual"] > 1e-3, (worst, r["residual"])
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@isolated()
+def _compiled_powersgd(rank: int) -> dict:
+    model, state = _mlp_state("fsdp 2")
+    loss, comm = functools.partial(_mlp_loss, model), powersgd(2)
+
+    def step(state, x, carry):
+        return fs.value_and_grad(loss, comm=comm, carry=carry)(state, x)
+
+    compiled = fs.compile(step, backend="aot_eager", fullgraph=True)
+    carries = [powersgd_carry(state)] * 2
+    graphs, out = [], []
+    for k in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + k))
+        before = _graphs()
+        _, low, carries[0] = compiled(state, x, carries[0])
+        graphs.append(_graphs() - before)
+        _, eager, carries[1] = step(state, x, carries[1])
+        out.append((low, eager))
+    return {"graphs": graphs, "grads": out, "carries": carries}
+
+
+def test_a_compiled_powersgd_step_is_traced_once_and_equals_the_eager_step():
+    """The buffer description is static: reading it in a reduce adds no guard, so three
+    calls with fresh data and a threaded carry trace one graph."""
+    for r in testing.run(_compiled_powersgd, 2, timeout=240):
+        assert r["graphs"] == [1, 0, 0], r["graphs"]
+        for low, eager in r["grads"]:
+            assert_trees_close(low, eager, rtol=1e-5, atol=1e-6)
+        assert_trees_close(*r["carries"], rtol=1e-5, atol=1e-6)

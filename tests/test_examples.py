@@ -68,6 +68,15 @@ def test_compressed_reduce_example_sends_a_quarter_and_trains_alike():
     assert abs(final) < 2.0, out
 
 
+def test_powersgd_example_sends_low_rank_factors_and_trains_alike():
+    out = _run_example("powersgd.py", "--steps", "6")
+    assert _ratio("bytes reduced", out) <= 0.1, out  # measured 0.057x
+    final = float(re.search(r"PowerSGD [\d.]+ \(([-+\d.]+)%\)", out).group(1))
+    assert abs(final) < 5.0, out  # 6 steps (measured +1.9%)
+    rows = re.findall(r"^\s*\d+\s+([\d.]+)\s+([\d.]+)$", out, flags=re.M)
+    assert float(rows[-1][1]) < 0.8 * float(rows[0][1]), out  # PowerSGD's loss goes down
+
+
 def test_diloco_example_talks_across_replicas_only_every_h_steps():
     out = _run_example("diloco.py", "--inner-steps", "8")
     assert "DiLoCo steps that talked across replicas: [8, 16, 24]" in out, out
@@ -82,10 +91,9 @@ def test_readme_prototyping_snippets_are_the_examples_code():
     example files these tests run, so they cannot drift from tested code."""
     section = README.read_text().split("## Prototyping communication", 1)[1].split("\n## ")[0]
     snippets = re.findall(r"```py\n(.*?)```", section, flags=re.S)
-    assert len(snippets) == 3
-    for snippet, name in zip(
-        snippets, ["quantized_gather.py", "compressed_reduce.py", "diloco.py"], strict=True
-    ):
+    names = ["quantized_gather.py", "compressed_reduce.py", "powersgd.py", "diloco.py"]
+    assert len(snippets) == len(names)
+    for snippet, name in zip(snippets, names, strict=True):
         code = [line for line in snippet.splitlines() if line.strip()]
         assert len(code) < 25, name
         source = (EXAMPLES / name).read_text()
