@@ -50,6 +50,10 @@ from funcshard.layout import frozen_ranges
 from funcshard.leaves import leaves as leaves
 from funcshard.leaves import with_leaves
 from funcshard.metrics import global_norm
+from funcshard.mixed_reduction import (
+    MixedParameterReductionWarning as MixedParameterReductionWarning,
+)
+from funcshard.mixed_reduction import warning_on_mixed_reductions
 from funcshard.segments import Piece as Piece
 from funcshard.segments import Segments as Segments
 from funcshard.segments import Where, segments
@@ -77,7 +81,7 @@ class Optimizer:
     fused_step: Callable[..., tuple[Any, Any] | None] | None = None  # None: not applicable
 
     def __post_init__(self) -> None:
-        update = _accepting_donate(self.update)
+        update = warning_on_mixed_reductions(_accepting_donate(self.update))
         update = _recording_only_through_grads(_donating_its_state(update))
         object.__setattr__(self, "update", update)
 
