@@ -211,13 +211,15 @@ def _quiet_on_fsdp(seed: int, rank: int) -> list[list[str]]:
         _clipped_by_funcshard,
         functools.partial(fs.optim.adamw, LR),
         functools.partial(fs.optim.chain, fs.optim.clip_by_global_norm(1.0), fs.optim.adamw(LR)),
+        functools.partial(fs.optim.whole_params, naive_lars()),
     ]
     return _updates_warned(optimizers, seed, fs.Mesh(shard=2))
 
 
 def test_per_parameter_math_boolean_reductions_and_funcshard_optimizers_do_not_warn():
     """LARS through `fs.optim.segments`, `isfinite().all()` per leaf, a user's update calling
-    `fs.global_norm`, `adamw` and `chain(clip_by_global_norm, adamw)`, on FSDP-2."""
+    `fs.global_norm`, `adamw`, `chain(clip_by_global_norm, adamw)` and the per-leaf LARS as a
+    `whole_params` transform (its leaves are whole parameters), on FSDP-2."""
     seed = int(torch.randint(1000, ()))
     for caught in testing.run(functools.partial(_quiet_on_fsdp, seed), world_size=2):
-        assert caught == [[]] * 5
+        assert caught == [[]] * 6
