@@ -49,7 +49,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--mp", action="store_true", help="also draw bf16 mixed precision")
     parser.add_argument("--examples", type=int, default=8, help="configurations to draw")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration")
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="adamw, sgd, or module:function returning your fs.optim.Optimizer (default adamw)",
+    )
     parser.add_argument("--laws", help=f"comma-separated, among {', '.join(LAWS)} (default all)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
     parser.add_argument("--database", help="a directory for hypothesis to keep failures in")
@@ -93,7 +97,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "examples": args.examples,
         "mixed_precision": args.mp,
-        "optimizer": args.optimizer,
+        "optimizer": load(args.optimizer, "check") if ":" in args.optimizer else args.optimizer,
         "laws": laws,
         "seed": args.seed,
         "database": args.database,

@@ -47,10 +47,11 @@ import optree
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from funcshard.optim import Optimizer
 from funcshard.testing import judge
 from funcshard.testing.harness import LAWS, MP, Case, Config, PhaseFailed, global_batch
 from funcshard.testing.laws import observe as _observe
-from funcshard.testing.recipe import Axes
+from funcshard.testing.recipe import Axes, OptimizerChoice
 from funcshard.testing.report import LawResult, LawViolation, Report
 from funcshard.testing.resume import resume as _resume
 from funcshard.testing.runner import RankDied, run
@@ -70,7 +71,7 @@ def check(
     mixed_precision: bool = False,
     recipes: bool | Axes = True,
     backend: str = "aot_eager",
-    optimizer: str = "adamw",
+    optimizer: OptimizerChoice = "adamw",
     lr: float = 1e-2,
     laws: Sequence[str] = LAWS,
     seed: int = 0,
@@ -98,7 +99,11 @@ def check(
     `policy` is the plan's policy (default: several drawn: the blocks inside the first
     ModuleList, a size threshold, the root alone). `world_sizes` are the meshes' sizes (each
     must divide the batch); `examples` configurations are drawn, `steps` optimizer steps
-    each (`optimizer` "adamw" with eps 1e-3, or "sgd" with momentum, at `lr`);
+    each (`optimizer` "adamw" with eps 1e-3, or "sgd" with momentum, at `lr`; or a
+    module-level function returning your own `fs.optim.Optimizer`, whose rates are its own:
+    parity then compares it on the shards with the same optimizer on one process's params
+    dict, where each leaf is a whole parameter, and no parameter groups or schedule are
+    drawn for it);
     `mixed_precision=True` also draws bf16 gathers. `recipes` draws the features a real
     step combines on top (see [Note: recipes compose] in funcshard/testing/recipe.py):
     activation checkpointing of every other block, each block's first Linear frozen
@@ -116,6 +121,8 @@ def check(
     `progress(line)` hears of each configuration as it ends.
     """
     axes = recipes if isinstance(recipes, Axes) else Axes() if recipes else Axes.none()
+    if callable(optimizer):  # its groups and rates are its own
+        axes = dataclasses.replace(axes, groups=False, schedule=False)
     if quick:
         world_sizes = [w for w in world_sizes if w <= 2] or [min(world_sizes)]
         steps, examples, shrink_budget = min(steps, 2), min(examples, 3), min(shrink_budget, 4)
@@ -182,10 +189,7 @@ def _validated(
             f"fs.testing.check: steps must be at least 2 (the checkpoint is saved before the "
             f"last) and examples at least 1, got steps={steps}, examples={examples}."
         )
-    if case.optimizer not in ("adamw", "sgd"):
-        raise ValueError(
-            f"fs.testing.check: optimizer must be 'adamw' or 'sgd', got {case.optimizer!r}."
-        )
+    _check_optimizer(case.optimizer)
     try:
         pickle.dumps(case)
     except (pickle.PicklingError, AttributeError, TypeError) as e:
@@ -196,6 +200,33 @@ def _validated(
         ) from e
     _check_batch(case, worlds)
     return worlds
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """'adamw', 'sgd', or a factory that pickles by reference and returns an Optimizer."""
+    if isinstance(optimizer, str) and optimizer in ("adamw", "sgd"):
+        return
+    if not callable(optimizer):
+        raise ValueError(
+            f"fs.testing.check: optimizer must be 'adamw', 'sgd' or a module-level function "
+            f"returning an fs.optim.Optimizer, got {optimizer!r}."
+        )
+    try:
+        pickle.dumps(optimizer)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise TypeError(
+            f"fs.testing.check: optimizer={_name(optimizer)} is sent to every rank, so it "
+            f"must pickle by reference, got {e}. Define the factory as a module-level "
+            f"function returning an fs.optim.Optimizer (not a lambda or closure), or pass "
+            f"functools.partial of one."
+        ) from e
+    made = optimizer()
+    if not isinstance(made, Optimizer):
+        raise TypeError(
+            f"fs.testing.check: optimizer={_name(optimizer)} must return an "
+            f"fs.optim.Optimizer, got {type(made).__name__}. Return "
+            f"fs.optim.Optimizer(init, update)."
+        )
 
 
 def _first_batch(case: Case) -> Any:

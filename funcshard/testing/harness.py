@@ -75,7 +75,7 @@ class Case:
     loss_fn: Callable[[Any, Any], Tensor]
     policy: Any = None
     steps: int = 3
-    optimizer: str = "adamw"
+    optimizer: recipe.OptimizerChoice = "adamw"  # or a factory of a user's own
     lr: float = 1e-2
     batch_stats: bool | None = None  # None: whether the model holds batch-norm layers
     meta: bool | None = None  # None: try the meta device, fall back to the CPU
@@ -263,7 +263,8 @@ def _as_bytes(t: Tensor) -> Tensor:
 
 def optimizer(case: Case, config: Config) -> fs.optim.Optimizer:
     """AdamW with eps 1e-3 (see ADAMW_EPS), or SGD with momentum 0.9, at the case's rate, in
-    groups, on a schedule and after clipping as the configuration says."""
+    groups, on a schedule and after clipping as the configuration says; or the case's own
+    factory's optimizer, after clipping as the configuration says."""
     return recipe.optimizer(
         case.optimizer, case.lr, ADAMW_EPS, config.groups, config.schedule, config.clip
     )
@@ -304,9 +305,7 @@ def call(model: nn.Module, params: Any, inputs: Any, **options: Any) -> Any:
 Step = Callable[..., tuple[Tensor, Any, Any]]  # (state, opt_state, inputs, targets) -> ...
 
 
-def make_step(
-    case: Case, config: Config, model: nn.Module, opt: fs.optim.Optimizer
-) -> Step:
+def make_step(case: Case, config: Config, model: nn.Module, opt: fs.optim.Optimizer) -> Step:
     """The standard step for this configuration, `(state, opt_state, inputs, targets) ->
     (this rank's loss, new state, new optimizer state)`: compiled with the case's backend
     when the configuration says so (one compiled function per training run)."""

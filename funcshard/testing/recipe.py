@@ -126,11 +126,19 @@ def _scaled(rate: float, step: int) -> float:
     return rate * warmup(step)
 
 
+OptimizerChoice = str | Callable[[], fs.optim.Optimizer]  # "adamw", "sgd" or a user's factory
+
+
 def optimizer(
-    name: str, lr: float, eps: float, groups: bool, schedule: bool, clip: bool
+    name: OptimizerChoice, lr: float, eps: float, groups: bool, schedule: bool, clip: bool
 ) -> fs.optim.Optimizer:
     """funcshard's optimizer for a configuration: AdamW (weight decay 0.01, `eps`) or SGD
-    (momentum 0.9), in two groups, on a schedule and after clipping as the switches say."""
+    (momentum 0.9), in two groups, on a schedule and after clipping as the switches say; or
+    a user's factory's optimizer, after clipping (its groups and rates are its own: `check`
+    draws neither switch for it)."""
+    if callable(name):
+        made = name()
+        return fs.optim.chain(fs.optim.clip_by_global_norm(CLIP), made) if clip else made
 
     def one(rate: float, weight_decay: float) -> fs.optim.Optimizer:
         lr_of = functools.partial(_scaled, rate) if schedule else rate

@@ -5,7 +5,10 @@ whose initialization could differ) and trains with plain PyTorch: `fs.value_and_
 `fs.call` on a params dict (torch.func.functional_call and autograd underneath; it
 recomputes checkpointed blocks with the dict's tensors) and the `torch.optim` optimizer
 that funcshard's own follows, with the configuration's parameter groups, schedule and
-clipping (recipe.py). A model with batch statistics (BatchNorm) runs each rank's
+clipping (recipe.py); or, for a user's optimizer factory, that same funcshard optimizer on
+the params dict, where each leaf is one whole parameter (so per-parameter math written per
+leaf is right here, and parity catches it when it is wrong on flat shards). A model with
+batch statistics (BatchNorm) runs each rank's
 micro-batch on its own and averages the gradients, as data parallelism without
 SyncBatchNorm does, and keeps each rank's buffers (running statistics) apart (so does a
 mixed-precision run: each micro-batch's gradient is rounded in the low dtype); with
@@ -32,6 +35,7 @@ from funcshard.testing.harness import (
     Config,
     call,
     global_batch,
+    optimizer,
     split,
 )
 
@@ -56,7 +60,8 @@ def reference(
     rank with `batch_stats`, else one)."""
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     params = {k: v.detach().clone().requires_grad_(k in trainable) for k, v in full.items()}
-    opt = torch_optimizer(case, config, params)
+    step_with = _functional_step(case, config, params) if callable(case.optimizer) else None
+    opt = torch_optimizer(case, config, params) if step_with is None else None
     low = MP[config.mp] if config.mp is not None and not config.ddp else None
     # as many forwards per step as each rank runs (a buffer may count them); the ranks'
     # own micro-batches where their grouping changes the numbers: batch statistics, or
@@ -67,7 +72,7 @@ def reference(
     losses = []
     for step in range(case.steps):
         inputs, targets = global_batch(case, config, step)
-        opt.zero_grad()
+        summed: dict[str, Tensor | None] = {}
         total = 0.0
         for i in range(ranks * micro):
             rank = i // micro
@@ -76,16 +81,38 @@ def reference(
             (loss, new), grads = grad_fn(
                 params, case, model, low, ranks * micro, rank_buffers[rank], *part
             )
-            for k, g in grads.items():
-                p = params[k]
-                p.grad = g if p.grad is None else p.grad + g
+            summed = {k: g if summed.get(k) is None else summed[k] + g for k, g in grads.items()}
             total += loss.item()
             rank_buffers[rank] = {k: v.detach() for k, v in new.items()}
-        opt.step()
+        if step_with is not None:
+            params = step_with(params, summed)
+        else:
+            _torch_step(opt, params, summed)
         losses.append(total)
     final = {k: v.detach() for k, v in params.items()}
     first = {k: v.detach().clone() for k, v in full.items()}
     return {"losses": losses, "first": first, "final": final, "buffers": rank_buffers}
+
+
+def _torch_step(opt: Any, params: dict[str, Tensor], grads: dict[str, Tensor | None]) -> None:
+    """One torch.optim step on `params` (in place) with `grads`."""
+    opt.zero_grad()
+    for k, g in grads.items():
+        params[k].grad = g
+    opt.step()
+
+
+def _functional_step(case: Case, config: Config, params: dict[str, Tensor]) -> Any:
+    """`(params, grads) -> new params`: the configuration's funcshard optimizer (a user's
+    factory's) stepping a params dict, its state threaded from one call to the next."""
+    opt = optimizer(case, config)
+    state = [opt.init(params)]
+
+    def step(params: dict[str, Tensor], grads: dict[str, Tensor | None]) -> dict[str, Tensor]:
+        updates, state[0] = opt.update(grads, state[0], params)
+        return fs.apply_updates(params, updates)
+
+    return step
 
 
 def _loss(

@@ -22,6 +22,8 @@ import torch
 from torch import Tensor, nn
 
 import funcshard as fs
+from funcshard import collectives
+from funcshard.owned import Owned
 from funcshard.testing.harness import (
     Case,
     Config,
@@ -141,37 +143,44 @@ def unsharded_moments(state: fs.ShardedState, opt_state: Any) -> dict[str, Any]:
     """The optimizer state's fields by dotted path (into nested states: a chain's, a
     partition's): those laid out like the shards (one per flat buffer: momentum, Adam's
     moments) unsharded by FQN with which buffers had one; the others (the step count) as they
-    are. Communicates: as `fs.unshard` does, per such field."""
+    are; a `whole_params` state (Owned, each key on its owner) merged from every rank.
+    Communicates: as `fs.unshard` does, per such field, and one object all-gather per Owned."""
     out: dict[str, Any] = {}
-    _unshard_fields(state, opt_state, "", out)
+    _unshard_fields(state, _named(opt_state, state), "", out)
     return out
 
 
 def _fields(record: Any) -> list[tuple[str, Any]]:
     """A state record's parts by name: a dataclass's fields, a dict's items, a tuple's
-    entries (for a tuple not laid out like the shards); [] for a leaf."""
+    entries (for a tuple or list not laid out like the shards); [] for a leaf."""
     if dataclasses.is_dataclass(record) and not isinstance(record, type):
         return [(f.name, getattr(record, f.name)) for f in dataclasses.fields(record)]
     if isinstance(record, dict):
         return list(record.items())
-    if isinstance(record, tuple):
+    if isinstance(record, tuple | list):
         return [(str(i), v) for i, v in enumerate(record)]
     return []
 
 
 def _like_shards(value: Any, state: fs.ShardedState) -> bool:
     return (
-        isinstance(value, tuple)
+        isinstance(value, tuple | list)
         and len(value) == len(state.shards)
         and all(v is None or isinstance(v, Tensor) for v in value)
         and any(isinstance(v, Tensor) for v in value)
     )
 
 
-def _unshard_fields(state: fs.ShardedState, record: Any, prefix: str, out: dict) -> None:
+def _unshard_fields(
+    state: fs.ShardedState, record: Any, prefix: str, out: dict, sharded: bool = True
+) -> None:
+    """Fill `out` with `record`'s fields by path (`sharded=False` inside an Owned, whose
+    tensors are whole parameters' and must not be taken for shards)."""
     for name, value in _fields(record):
         path = f"{prefix}{name}"
-        if _like_shards(value, state):
+        if isinstance(value, Owned):
+            _unshard_fields(state, _every_key(state, value), f"{path}.", out, sharded=False)
+        elif sharded and _like_shards(value, state):
             present = tuple(v is not None for v in value)
             filled = tuple(
                 v if v is not None else torch.zeros_like(s)
@@ -179,33 +188,56 @@ def _unshard_fields(state: fs.ShardedState, record: Any, prefix: str, out: dict)
             )
             out[path] = (present, _clone(fs.unshard(state.replace(shards=filled))))
         elif _fields(value):
-            _unshard_fields(state, value, f"{path}.", out)
+            _unshard_fields(state, value, f"{path}.", out, sharded)
         else:
             out[path] = value.detach().clone() if isinstance(value, Tensor) else value
 
 
+def _every_key(state: fs.ShardedState, owned: Owned) -> dict[str, Any]:
+    """Every rank's keys of an Owned state in one dict (replicas hold the same values)."""
+    merged: dict[str, Any] = {}
+    for states in collectives.all_gather_object(owned.states, state.layout.mesh.group):
+        merged.update(states)
+    return dict(sorted(merged.items()))
+
+
 def _with_moments(state: fs.ShardedState, opt_state: Any, moments: dict[str, Any]) -> Any:
-    """`opt_state` with the fields of `unsharded_moments` resharded into `state`'s layout."""
-    return _rebuilt(state, opt_state, moments, "")
+    """`opt_state` with the fields of `unsharded_moments` resharded into `state`'s layout
+    (an Owned's keys: this rank's in `opt_state`, from the saved values)."""
+    named = _named(opt_state, state)
+    rebuilt = _rebuilt(state, named, moments, "")
+    return rebuilt["state"] if named is not opt_state else rebuilt
 
 
-def _rebuilt(state: fs.ShardedState, record: Any, moments: dict[str, Any], prefix: str) -> Any:
+def _named(opt_state: Any, state: fs.ShardedState) -> Any:
+    """A state that is itself an Owned or one moment per shard, as a record with one field,
+    `state`; any other as it is."""
+    bare = isinstance(opt_state, Owned) or _like_shards(opt_state, state)
+    return {"state": opt_state} if bare else opt_state
+
+
+def _rebuilt(
+    state: fs.ShardedState, record: Any, moments: dict[str, Any], prefix: str, sharded: bool = True
+) -> Any:
     changes = {}
     for name, value in _fields(record):
         path = f"{prefix}{name}"
-        if _like_shards(value, state):
+        if isinstance(value, Owned):
+            changes[name] = Owned(_rebuilt(state, value.states, moments, f"{path}.", False))
+        elif sharded and _like_shards(value, state):
             present, full = moments[path]
             shards = fs.reshard(state, full).shards
-            changes[name] = tuple(s if p else None for s, p in zip(shards, present, strict=True))
+            moments_again = (s if p else None for s, p in zip(shards, present, strict=True))
+            changes[name] = type(value)(moments_again)
         elif _fields(value):
-            changes[name] = _rebuilt(state, value, moments, f"{path}.")
+            changes[name] = _rebuilt(state, value, moments, f"{path}.", sharded)
         else:
             changes[name] = moments[path]
     if isinstance(record, dict):
         return {**record, **changes}
-    if isinstance(record, tuple):
+    if isinstance(record, tuple | list):
         values = [changes[str(i)] for i in range(len(record))]
-        return type(record)(*values) if hasattr(record, "_fields") else tuple(values)
+        return type(record)(*values) if hasattr(record, "_fields") else type(record)(values)
     return dataclasses.replace(record, **changes)
 
 
