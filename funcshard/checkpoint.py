@@ -1,49 +1,59 @@
-"""Checkpoints through torch.distributed.checkpoint: sharded, atomic, any world size.
+"""Checkpoints through torch.distributed.checkpoint: sharded, atomic, any world size, and
+exactly what each rank saved.
 
 [Note: checkpoints]
 Every parameter is saved by FQN as a 1-D sharded tensor of its flattened values: each rank
 contributes the contiguous piece its flat shard holds (replicas hold the same pieces; DCP
 writes each chunk once), so nothing is gathered and no byte is written twice. Optimizer state
 that lines up with the flat buffers (Adam's moments, SGD's momentum) is split the same way
-under `optim/<path>/<fqn>`; its other tensors (step counts), replicated parameters and
-buffers are plain tensors. Loading builds the same keys laid out like `like` and lets DCP
-read whichever saved pieces overlap, which is what makes another world size, mesh or plan
-work.
+under `optim/<path>/<fqn>`; owned state by FQN; its other tensors (step counts), replicated
+parameters and buffers are plain tensors, and its Python numbers are written to
+funcshard.json (see [Note: optimizer leaves in checkpoints] in funcshard/optim_leaves.py).
+Loading builds the same keys laid out like `like` and lets DCP read whichever saved pieces
+overlap, which is what makes another world size, mesh or plan work.
 
-Atomic: a save writes a fresh directory `step-<n>-<k>` (or `save-<k>`) under `path`, then
-replaces the file `path/LATEST` with `os.replace`, which is atomic; `load` reads only what
-LATEST names, so a save that dies half way never changes what loads. `step` and `extra` are
-written as JSON, so loading unpickles nothing. What a load checks before it reads a byte:
-[Note: checkpoint integrity] in funcshard/integrity.py.
+What DCP would store once but the ranks hold differently is found before anything is
+written and stored per rank ([Note: per-rank leaves] in funcshard/rank_values.py).
+
+Atomic: a save writes a fresh directory `step-<n>-<k>` (or `save-<k>`) under `path`, created
+exclusively, then replaces the file `path/LATEST` with `os.replace`, which is atomic; `load`
+reads only what LATEST names, so a save that dies half way never changes what loads. Several
+jobs on one directory: [Note: writers and readers of a checkpoint directory] in
+funcshard/checkpoint_dir.py. `step` and `extra` are written as JSON, so loading unpickles
+nothing. What a load checks before it reads a byte: [Note: checkpoint integrity] in
+funcshard/integrity.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import re
-import shutil
+import time
 import warnings
-from datetime import timedelta
 from typing import Any
 
-import optree
-import torch
-import torch.utils._pytree as torch_pytree
 from torch import Tensor
 
-from funcshard import collectives, integrity
+from funcshard import (
+    checkpoint_dict,
+    checkpoint_dir,
+    checkpoint_match,
+    collectives,
+    integrity,
+    rank_values,
+)
+from funcshard.checkpoint_dir import CheckpointConflict as CheckpointConflict
 from funcshard.hf import load_hf as load_hf
 from funcshard.hf_save import save_hf as save_hf
 from funcshard.integrity import CheckpointCorrupted as CheckpointCorrupted
 from funcshard.integrity import Report as Report
-from funcshard.layout import FlatLayout, Layout
+from funcshard.optim_leaves import optim_leaves, rebuild
 from funcshard.state import ShardedState, ensure_live
-from funcshard.tree import format_names
 
-LATEST = "LATEST"
+_optim_leaves = optim_leaves  # the name tests/test_optim_state_checkpoint.py reads
+LATEST = checkpoint_dir.LATEST
 META = "funcshard.json"
+READ_WAIT = 10.0  # seconds a load keeps re-reading LATEST while its checkpoint is retired
 
 
 def save(
@@ -57,49 +67,174 @@ def save(
 ) -> str:
     """Save the state (and optimizer state, step, JSON-able `extra`) under directory `path`.
 
-    With `checksums` (the default) every chunk's CRC-32 is recorded for `load` and `verify`
-    to check (see [Note: checkpoint integrity]). `keep=N` then deletes the checkpoints older
-    than the last N complete ones, never the one LATEST names.
-    Returns the directory written. Communicates: a barrier, DCP's collective save, and
-    all-gathers of the save counter, the checksums and the commit's outcome.
+    Values that differ across ranks are saved per rank (see [Note: per-rank leaves]); Python
+    numbers in the optimizer state are saved too. With `checksums` (the default) every
+    chunk's CRC-32 is recorded for `load` and `verify` to check (see [Note: checkpoint
+    integrity]). `keep=N` then deletes this job's checkpoints (and dead jobs') older than
+    its last N complete ones, never the one LATEST names. A save whose directory another
+    job committed to meanwhile raises `CheckpointConflict` (see [Note: writers and readers
+    of a checkpoint directory]). Returns the directory written. Communicates: all-gathers
+    of the digests, the directory's name, the checksums and the commit's outcome, a
+    broadcast per buffer, DCP's collective save.
     """
     ensure_live(state, "checkpoint.save")
-    if opt_state is not None:  # on every rank, before any collective
-        _optim_leaves(opt_state, state.layout)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"funcshard.checkpoint.save: keep must be an int >= 1, got {keep!r}.")
-    try:  # on every rank, before any collective: a late failure on one rank would hang
-        meta = json.dumps({"step": step, "extra": extra, "checksums": checksums})
+    mesh = state.layout.mesh
+    group = mesh.group
+    rank = collectives.group_rank(group)
+    try:  # on every rank; what any rank finds is raised on all below, never a hang
+        described = optim_leaves(opt_state, state.layout)[0] if opt_state is not None else []
+        report: Any = _report(state, described, step, extra)
+    except (TypeError, ValueError) as e:
+        report = (type(e).__name__, str(e))
+    reports = collectives.all_gather_object(report, group)
+    _raise_first(reports)
+    _check_steps(reports)
+    per_rank = rank_values.differing(
+        [
+            {**r["plain"], **{k: rank_values.digest(v) for k, v in r["scalars"].items()}}
+            for r in reports
+        ]
+    )
+    per_replica = rank_values.differing_replicas(
+        [r["flats"] for r in reports], [r["shard_rank"] for r in reports]
+    )
+    root = os.fspath(path)
+    me, name = _create(root, step, mesh, rank == 0)
+    target = os.path.join(root, name)
+    entries, flat_of = checkpoint_dict.to_dcp(checkpoint_dict.first_ranks_buffers(state), described)
+    routed = {
+        _stored_key(k, flat_of.get(k), per_rank, per_replica, mesh, rank): v
+        for k, v in entries.items()
+    }
+    collectives.dcp_save(routed, target, group)
+    chunk_records = _checksummed(target, group) if checksums else None
+    failed = None
+    if rank == 0:
+        try:  # a failure here must reach every rank, not leave them waiting in a barrier
+            meta = _meta(reports, entries, flat_of, per_rank, per_replica, mesh, checksums, me)
+            _commit(root, name, meta, chunk_records, keep, me)
+        except Exception as e:
+            failed = (type(e).__name__, str(e))
+    failed = collectives.all_gather_object(failed, group)[0]
+    if failed is not None:
+        kind, message = failed
+        if kind == CheckpointConflict.__name__:
+            raise CheckpointConflict(f"funcshard.checkpoint.save: {message}")
+        raise OSError(f"funcshard.checkpoint.save: committing {target!r} failed: {kind}: {message}")
+    return target
+
+
+def _report(state: ShardedState, described: list, step: Any, extra: Any) -> dict:
+    """What this rank would save that other ranks may hold differently: digests of the
+    leaves that are stored once (see [Note: per-rank leaves]), its Python numbers, extra."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"funcshard.checkpoint.save: step must be an int or None, got {step!r}.")
+    try:
+        extra_json = json.dumps(extra, sort_keys=True)
     except TypeError as e:
         raise TypeError(
             f"funcshard.checkpoint.save: step and extra must be JSON values (numbers, "
             f"strings, lists, dicts), got {e}. Convert them, e.g. tensors with .tolist()."
         ) from e
-    root = os.fspath(path)
-    group = state.layout.mesh.group
-    first = collectives.group_rank(group) == 0
+    mesh = state.layout.mesh
+    scalars = {key: leaf for leaf, key, _ in described if not isinstance(leaf, Tensor)}
+    json.dumps(scalars)  # numbers, strings, None: always JSON
+    plain: dict[str, Any] = {}
+    if mesh.size > 1:
+        plain = {key: rank_values.digest(v) for v, key, i in described if i is None}
+        plain = {k: d for k, d in plain.items() if k not in scalars}
+        plain.update({f"params/{k}": rank_values.digest(v) for k, v in state.replicated.items()})
+    flats = {}
+    if mesh.replicate_size > 1:
+        shards = checkpoint_dict.flat_shards(state, described)
+        flats = {k: rank_values.digest(v) for k, v in shards.items()}
+    return {
+        "step": step,
+        "extra": extra_json,
+        "scalars": scalars,
+        "plain": plain,
+        "flats": flats,
+        "shard_rank": mesh.shard_rank,
+    }
+
+
+def _raise_first(reports: list[Any]) -> None:
+    """Raise, on every rank, the first error any rank found preparing its save."""
+    for rank, report in enumerate(reports):
+        if isinstance(report, tuple):
+            kind, message = report
+            error = TypeError if kind == "TypeError" else ValueError
+            raise error(f"{message} (found on rank {rank} of the mesh)")
+
+
+def _check_steps(reports: list[dict]) -> None:
+    steps = [r["step"] for r in reports]
+    if len(set(steps)) > 1:
+        listed = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+        raise ValueError(
+            f"funcshard.checkpoint.save: step must be the same on every rank, got {listed}. "
+            f"Pass the training step every rank agrees on (keep per-rank positions in extra)."
+        )
+
+
+def _stored_key(
+    key: str, flat: str | None, per_rank: set, per_replica: set, mesh: Any, rank: int
+) -> str:
+    """Where an entry is stored: its own key, or under its rank or replica when it differs."""
+    if flat is not None and flat in per_replica:
+        return rank_values.replica_key(mesh.replicate_rank, key)
+    if key in per_rank:
+        return rank_values.rank_key(rank, key)
+    return key
+
+
+def _meta(reports, entries, flat_of, per_rank, per_replica, mesh, checksums, me) -> str:
+    """funcshard.json: step, extra, Python numbers, which keys are per rank or replica."""
+    extras = [r["extra"] for r in reports]
+    scalars, rank_scalars = {}, {}
+    for key in sorted({k for r in reports for k in r["scalars"]}):
+        held = {str(i): r["scalars"][key] for i, r in enumerate(reports) if key in r["scalars"]}
+        if key in per_rank:
+            rank_scalars[key] = held
+        else:
+            scalars[key] = next(iter(held.values()))
+    meta: dict[str, Any] = {
+        "format": 2,
+        "step": reports[0]["step"],
+        "extra": json.loads(extras[0]) if len(set(extras)) == 1 else None,
+        "checksums": checksums,
+        "mesh": [mesh.replicate_size, mesh.shard_size],
+        "writer": me.id,
+        "scalars": scalars,
+        "rank_scalars": rank_scalars,
+        "per_rank": sorted(k for k in per_rank if k not in scalars and k not in rank_scalars),
+        "per_replica": sorted(k for k in entries if flat_of.get(k) in per_replica),
+    }
+    if len(set(extras)) > 1:
+        meta["rank_extra"] = [json.loads(e) for e in extras]
+    return json.dumps(meta)
+
+
+def _create(root: str, step: Any, mesh: Any, first: bool) -> tuple[Any, str]:
+    """On the first rank: this job's writer of `root` and a fresh directory of its own; its
+    name on every rank. Communicates: one all-gather."""
+    me, found = None, None
     if first:
-        os.makedirs(root, exist_ok=True)
-    collectives.barrier(group, _TIMEOUT)
-    # a fresh name every time: the directory LATEST names is never touched by a later save
-    index = _next_index(root, group)
-    name = f"step-{step}-{index}" if step is not None else f"save-{index}"
-    target = os.path.join(root, name)
-    collectives.dcp_save(_to_dcp(_first_ranks_buffers(state), opt_state), target)
-    chunk_records = _checksummed(target, group) if checksums else None
-    failed = None
-    if first:
-        try:  # a failure here must reach every rank, not leave them waiting in a barrier
-            _commit(root, name, meta, chunk_records, keep)
+        try:
+            os.makedirs(root, exist_ok=True)
+            me = checkpoint_dir.writer(root, tuple(mesh.ranks))
+            found = checkpoint_dir.create(root, f"step-{step}" if step is not None else "save", me)
         except Exception as e:
-            failed = f"{type(e).__name__}: {e}"
-    failed = collectives.all_gather_object(failed, group)[0]
-    if failed is not None:
-        raise OSError(f"funcshard.checkpoint.save: committing {target!r} failed: {failed}")
-    return target
+            found = ("error", f"{type(e).__name__}: {e}")
+    found = collectives.all_gather_object(found, mesh.group)[0]
+    if isinstance(found, tuple):
+        raise OSError(f"funcshard.checkpoint.save: cannot write under {root!r}: {found[1]}")
+    return me, found
 
 
-def _commit(root: str, name: str, meta: str, chunk_records: list[dict] | None, keep: int | None):
+def _commit(root: str, name: str, meta: str, chunk_records: list[dict] | None, keep, me) -> None:
     """On the first rank: write funcshard.json and the checksums, point LATEST at `name`
     (atomically: the commit point), then retire old checkpoints."""
     target = os.path.join(root, name)
@@ -107,12 +242,9 @@ def _commit(root: str, name: str, meta: str, chunk_records: list[dict] | None, k
         f.write(meta)
     if chunk_records is not None:  # before the commit: LATEST never names a dir without
         integrity.write(target, chunk_records, (integrity.DCP_METADATA, META))
-    pointer = os.path.join(root, LATEST + ".tmp")
-    with open(pointer, "w") as f:
-        f.write(name)
-    os.replace(pointer, os.path.join(root, LATEST))  # the commit point
+    checkpoint_dir.move_latest(root, name, me)
     if keep is not None:
-        _retire(root, name, keep)
+        _retire(root, name, keep, me)
 
 
 def _checksummed(target: str, group: Any) -> list[dict]:
@@ -132,15 +264,25 @@ def _checksummed(target: str, group: Any) -> list[dict]:
     return [record for records in shares_ for record in records]
 
 
-def _retire(root: str, latest: str, keep: int) -> None:
-    """Delete checkpoints older than the last `keep` complete ones (never `latest`)."""
-    saves = [(i, n) for i, n in _saves(root) if _written_by_save(os.path.join(root, n))]
+def _retire(root: str, latest: str, keep: int, me: Any) -> None:
+    """Delete this writer's (and dead writers') checkpoints older than its last `keep`
+    complete ones, never `latest` (see [Note: writers and readers of a checkpoint directory])."""
+    saves = [
+        (i, n)
+        for i, n in checkpoint_dir.saves(root)
+        if _written_by_save(os.path.join(root, n)) and _retirable(root, n, me)
+    ]
     complete = [name for _, name in saves if os.path.exists(os.path.join(root, name, META))]
     kept = set(complete[-keep:]) | {latest}
-    oldest_kept = min(i for i, name in saves if name in kept)
-    for index, name in saves:
-        if index < oldest_kept and name not in kept:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    oldest_kept = min([i for i, name in saves if name in kept] or [0])
+    doomed = [name for i, name in saves if i < oldest_kept and name not in kept]
+    checkpoint_dir.retire(root, doomed, me)
+
+
+def _retirable(root: str, name: str, me: Any) -> bool:
+    """Whether this writer may retire checkpoint `name`: its own, or a dead writer's."""
+    wid = checkpoint_dir.owner(os.path.join(root, name))
+    return wid == me.id or not checkpoint_dir.running(root, wid, me)
 
 
 def _written_by_save(directory: str) -> bool:
@@ -148,50 +290,162 @@ def _written_by_save(directory: str) -> bool:
     if not os.path.isdir(directory):
         return False
     names = os.listdir(directory)
-    ours = {META, integrity.CHECKSUMS, integrity.DCP_METADATA}
+    ours = {META, integrity.CHECKSUMS, integrity.DCP_METADATA, checkpoint_dir.WRITER}
     return all(n in ours or (n.startswith("__") and n.endswith(".distcp")) for n in names)
 
 
-def _saves(root: str) -> list[tuple[int, str]]:
-    """The entries of `root` named like checkpoints, as (save counter, name), oldest first."""
-    return sorted((i, name) for name in os.listdir(root) if (i := _index(name)) is not None)
-
-
-def _index(name: str) -> int | None:
-    """The save counter in a checkpoint directory's name (`step-<s>-<k>` or `save-<k>`)."""
-    match = re.fullmatch(r"(?:step-(?:None|-?[0-9]+)|save)-([0-9]+)", name)
-    return int(match.group(1)) if match else None
-
-
 def load(
-    path: str | os.PathLike, like: tuple[ShardedState, Any], verify: bool = True
+    path: str | os.PathLike,
+    like: tuple[ShardedState, Any],
+    verify: bool = True,
+    *,
+    per_rank: str | int = "refuse",
 ) -> tuple[Any, Any, Any, Any]:
     """Load the latest complete save under `path` (or the checkpoint directory `path`) into
     the layout of `like=(state, opt_state)`.
 
-    Returns `(state, opt_state, step, extra)`. Works across world sizes, meshes and plans.
-    With `verify` (the default) every byte is first checked against the save's checksums,
-    and a mismatch raises `CheckpointCorrupted` on every rank (see [Note: checkpoint
-    integrity]). Communicates: one all-gather of what the checks found, DCP's collective load.
+    Returns `(state, opt_state, step, extra)`. Works across world sizes, meshes and plans;
+    `like=(state, None)` loads the parameters alone, whatever else the checkpoint holds.
+    Values saved per rank come back to the same rank of a mesh of the same shape; elsewhere
+    `per_rank` says what to do: "refuse" (the default) raises naming them, "like" keeps
+    `like`'s, an int r gives every rank rank r's (see [Note: per-rank leaves]). With `verify`
+    (the default) every byte is first checked against the save's checksums, and a mismatch
+    raises `CheckpointCorrupted` on every rank (see [Note: checkpoint integrity]). The mesh's
+    first rank resolves LATEST once and holds the checkpoint against retirement while every
+    rank reads it. Communicates: all-gathers of the directory, what the checks found and
+    the keys, DCP's collective load.
     """
-    state, opt_state = like
-    directory = _latest(os.fspath(path))
-    if verify:
-        _verified(directory, state.layout.mesh.group)
-    template = _to_dcp(state, opt_state, zeros=True)
-    _check_keys(directory, template)
+    state, opt_state = _unpack(like)
+    rank_values.check_option(per_rank)
+    group = state.layout.mesh.group
+    directory, held = _open(os.fspath(path), group)
     try:
-        collectives.dcp_load(template, directory)
+        if verify:
+            _verified(directory, group)
+        return _read(directory, state, opt_state, per_rank)
+    finally:
+        checkpoint_dir.release(held)
+
+
+def _unpack(like: Any) -> tuple[ShardedState, Any]:
+    if isinstance(like, tuple) and len(like) == 2 and isinstance(like[0], ShardedState):
+        return like
+    raise TypeError(
+        f"funcshard.checkpoint.load: like must be a pair (state, opt_state), got "
+        f"{type(like).__name__}. Pass like=(state, opt_state), or like=(state, None) to load "
+        f"the parameters alone."
+    )
+
+
+def _read(directory: str, state: ShardedState, opt_state: Any, per_rank: Any) -> tuple:
+    """Load what `directory` holds into `like`'s layout: keys checked on every rank first."""
+    mesh = state.layout.mesh
+    rank = collectives.group_rank(mesh.group)
+    described, spec = optim_leaves(opt_state, state.layout) if opt_state is not None else ([], None)
+    with open(os.path.join(directory, META)) as f:
+        meta = json.load(f)
+    template, _ = checkpoint_dict.to_dcp(state, described, zeros=True)
+    like_scalars = {key: leaf for leaf, key, _ in described if not isinstance(leaf, Tensor)}
+    plan = checkpoint_match.LoadPlan(
+        directory, meta, (mesh.replicate_size, mesh.shard_size), rank, per_rank
+    )
+    routed, kept, scalars, problems = plan.route(template, like_scalars)
+    saved = collectives.dcp_sizes(directory)
+    numbers = set(scalars) if meta.get("scalars") is not None else set()
+    report = (sorted({rank_values.base_key(k) for k in routed} | set(kept) | numbers),
+              problems, checkpoint_match.shape_problems(saved, routed))  # fmt: skip
+    checkpoint_match.agree_on_keys(
+        directory, saved, meta, report, opt_state is not None, mesh.group
+    )
+    checkpoint_match.warn_casts(directory, routed)
+    extra = plan.extra()  # may refuse: the same on every rank
+    try:
+        collectives.dcp_load(routed, directory, mesh.group)
     except collectives.CheckpointReadError as e:  # DCP raises every rank's read errors on all
         raise integrity.CheckpointCorrupted(
             f"funcshard.checkpoint.load: {directory!r} could not be read "
             f"({_first_line(e)}). Its files are damaged or incomplete. "
             f"{_previous_hint(directory)}"
         ) from e
-    new_state, new_opt = _from_dcp(state, opt_state, template)
-    with open(os.path.join(directory, META)) as f:
-        meta = json.load(f)
-    return new_state, new_opt, meta["step"], meta["extra"]
+    loaded = {rank_values.base_key(k): v for k, v in routed.items()}
+    own = checkpoint_dict.to_dcp(state, described)[0] if kept else {}
+    loaded.update({k: _copy(own[k]) for k in kept})
+    loaded.update(scalars)
+    new_state, leaves = checkpoint_dict.from_dcp(state, described, loaded)
+    new_opt = rebuild(spec, leaves) if opt_state is not None else None
+    return new_state, new_opt, meta["step"], extra
+
+
+def _copy(value: Any) -> Any:
+    plain = isinstance(value, Tensor) and not hasattr(value, "local_shards")
+    return value.clone() if plain else value
+
+
+def _open(root: str, group: Any) -> tuple[str, str | None]:
+    """The checkpoint to load, resolved once by the mesh's first rank, which holds it against
+    retirement (its lease, returned there; None elsewhere). Communicates: one all-gather."""
+    found: Any = None
+    held = None
+    if collectives.group_rank(group) == 0:
+        try:
+            found, held = _hold(root)
+        except (OSError, ValueError) as e:
+            found = (type(e).__name__, str(e))
+    found = collectives.all_gather_object(found, group)[0]
+    if isinstance(found, tuple):
+        checkpoint_dir.release(held)
+        kind, message = found
+        raise {"FileNotFoundError": FileNotFoundError, "CheckpointCorrupted": CheckpointCorrupted,
+               "CheckpointRetired": CheckpointRetired}.get(kind, OSError)(message)  # fmt: skip
+    return found, held
+
+
+class CheckpointRetired(OSError):
+    """The checkpoint a load asked for was retired by its writer while the load opened it."""
+
+
+def _hold(root: str) -> tuple[str, str | None]:
+    """Resolve LATEST and lease the checkpoint it names, again while a writer retires it
+    (see [Note: writers and readers of a checkpoint directory])."""
+    if os.path.exists(os.path.join(root, integrity.DCP_METADATA)):  # a checkpoint itself
+        parent, name = os.path.split(os.path.normpath(root))
+        held = checkpoint_dir.lease(parent, name) if _is_root(parent) else None
+        if checkpoint_dir.retiring(parent, name) or not os.path.exists(os.path.join(root, META)):
+            checkpoint_dir.release(held)
+            raise CheckpointRetired(
+                f"funcshard.checkpoint.load: {root!r} is being retired by the job that saved "
+                f"it (save(keep=N)). Load the latest instead: funcshard.checkpoint.load("
+                f"{parent!r}, like=...)."
+            )
+        return root, held
+    deadline = time.monotonic() + READ_WAIT
+    while True:
+        before = checkpoint_dir.read_latest(root)
+        try:
+            directory = _latest(root)
+        except integrity.CheckpointCorrupted:  # named, then retired: LATEST moved on since
+            if checkpoint_dir.read_latest(root) != before and time.monotonic() < deadline:
+                continue
+            raise
+        name = os.path.basename(directory)
+        held = checkpoint_dir.lease(root, name)
+        if not checkpoint_dir.retiring(root, name) and os.path.exists(
+            os.path.join(directory, META)
+        ):
+            return directory, held
+        checkpoint_dir.release(held)
+        if time.monotonic() > deadline:
+            raise CheckpointRetired(
+                f"funcshard.checkpoint.load: every checkpoint LATEST named under {root!r} for "
+                f"{READ_WAIT:.0f} s was retired by its writer (save(keep=N)) before this load "
+                f"could hold it, the last {name!r}. Save with a larger keep, or load a "
+                f"checkpoint directory no writer retires."
+            )
+        time.sleep(0.01)
+
+
+def _is_root(directory: str) -> bool:
+    return any(os.path.exists(os.path.join(directory, n)) for n in (LATEST, checkpoint_dir.HIDDEN))
 
 
 def verify(path: str | os.PathLike) -> integrity.Report:
@@ -202,9 +456,6 @@ def verify(path: str | os.PathLike) -> integrity.Report:
         missing = f"{os.path.join(directory, integrity.CHECKSUMS)}: missing"
         return integrity.Report(directory, (f"{integrity.CHECKSUMS}: missing",), (missing,), True)
     return integrity.verify(directory)
-
-
-_TIMEOUT = timedelta(minutes=5)
 
 
 def _verified(directory: str, group: Any) -> None:
@@ -251,13 +502,18 @@ def _saved_with_checksums(directory: str) -> bool:
 
 
 def _previous_hint(directory: str) -> str:
-    """What to do instead: load the newest complete checkpoint before `directory`."""
+    """What to do instead: load the newest complete checkpoint before `directory` (any, when
+    its name is not a checkpoint's)."""
     root, name = os.path.split(os.path.normpath(directory))
-    index = _index(name)
+    index = checkpoint_dir.index(name)
+    try:
+        found = checkpoint_dir.saves(root)
+    except OSError:
+        found = []
     older = [
         (i, n)
-        for i, n in _saves(root)
-        if index is not None and i < index and os.path.exists(os.path.join(root, n, META))
+        for i, n in found
+        if (index is None or i < index) and os.path.exists(os.path.join(root, n, META))
     ]
     if not older:
         return "There is no earlier complete checkpoint under it to load instead."
@@ -272,14 +528,6 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else ""
 
 
-def _next_index(root: str, group: Any) -> int:
-    """A save counter above every checkpoint's under `root` (retention deletes old ones, so a
-    count of entries could repeat a live name), as the first rank sees them."""
-    used = [i for i, _ in _saves(root)]
-    index = max([*used, len(os.listdir(root)) - 1]) + 1
-    return collectives.all_gather_ints([index], group)[0][0]
-
-
 def _latest(root: str, caller: str = "load") -> str:
     """The checkpoint LATEST names under `root`, or `root` itself if it is a checkpoint."""
     if os.path.exists(os.path.join(root, integrity.DCP_METADATA)):
@@ -290,214 +538,18 @@ def _latest(root: str, caller: str = "load") -> str:
             f"funcshard.checkpoint.{caller}: no complete checkpoint under {root!r} (no "
             f"{LATEST} file). Save one with funcshard.checkpoint.save first."
         )
-    with open(pointer) as f:
-        directory = os.path.join(root, f.read().strip())
+    with open(pointer, errors="replace") as f:
+        name = f.read().strip()
+    directory = os.path.join(root, name)
+    if checkpoint_dir.index(name) is None:
+        raise integrity.CheckpointCorrupted(
+            f"funcshard.checkpoint.{caller}: {pointer} holds {name[:80]!r}, not the name of "
+            f"a checkpoint (step-<n>-<k> or save-<k>): it was damaged or written by hand. "
+            f"{_previous_hint(os.path.join(root, LATEST))}"
+        )
     if not os.path.isdir(directory):
         raise integrity.CheckpointCorrupted(
             f"funcshard.checkpoint.{caller}: {pointer} names {directory!r}, which is missing. "
             f"{_previous_hint(directory)}"
         )
     return directory
-
-
-def _pieces(shard: Tensor, flat: FlatLayout, shard_rank: int) -> dict[str, tuple[int, Tensor]]:
-    """The piece of each parameter that this rank's shard holds: fqn -> (start, values)."""
-    start, end = shard_rank * flat.shard_numel, (shard_rank + 1) * flat.shard_numel
-    out = {}
-    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
-        lo, hi = max(start, offset), min(end, offset + numel)
-        if lo < hi:
-            out[fqn] = (lo - offset, shard[lo - start : hi - start])
-    return out
-
-
-def _split(prefix: str, shard: Tensor, flat: FlatLayout, layout: Layout) -> dict[str, Any]:
-    """One 1-D sharded tensor per parameter of a flat buffer, holding this rank's piece."""
-    mesh = layout.mesh
-    pieces = _pieces(shard, flat, mesh.shard_rank)
-    # Sharded over the shard axis only: each replica holds (and loads) all of it, and DCP's
-    # save planner writes a chunk that several replicas hold once.
-    return {
-        f"{prefix}/{fqn}": collectives.sharded_tensor(
-            [pieces[fqn]] if fqn in pieces else [], numel, mesh.shard_group
-        )
-        for fqn, numel in zip(flat.fqns, flat.numels, strict=True)
-    }
-
-
-def _join(prefix: str, loaded: dict[str, Any], flat: FlatLayout, layout: Layout) -> Tensor:
-    """This rank's flat shard rebuilt from loaded per-parameter pieces (padding zero)."""
-    shard = torch.zeros(flat.shard_numel, dtype=flat.dtype, device=layout.mesh.device)
-    base = layout.mesh.shard_rank * flat.shard_numel
-    for fqn, offset in zip(flat.fqns, flat.offsets, strict=True):
-        for start, values in collectives.local_pieces(loaded[f"{prefix}/{fqn}"]):
-            at = offset + start - base
-            shard[at : at + values.numel()] = values.reshape(-1)
-    return shard
-
-
-def _optim_leaves(opt_state: Any, layout: Layout) -> tuple[list[Any], Any]:
-    """Each optimizer leaf with its key, and the flat index it lines up with (or None).
-
-    Flattened with torch's pytree (funcshard's records, dicts, tuples, NamedTuples and
-    dataclasses registered with `torch.utils._pytree`), and what torch sees as a leaf with
-    optree's (types registered there); a leaf neither knows, other than a tensor, a number,
-    a string or None, raises naming its path, so no state is silently left out.
-    """
-    paths_and_leaves, spec = torch_pytree.tree_flatten_with_path(opt_state)
-    described, parts = [], []
-    for path, leaf in paths_and_leaves:
-        prefix = torch_pytree.keystr(path)
-        if _savable(leaf):
-            items, part = [(prefix, leaf, path[-1] if path else None)], None
-        else:
-            accessors, sub_leaves, sub_spec = optree.tree_flatten_with_accessor(
-                leaf, none_is_leaf=True
-            )
-            if len(sub_leaves) == 1 and sub_leaves[0] is leaf:
-                _refuse(prefix, leaf)
-            items = [
-                (prefix + acc.codify(""), sub, acc[-1] if len(acc) else None)
-                for acc, sub in zip(accessors, sub_leaves, strict=True)
-            ]
-            part = (sub_spec, len(items))
-            for key, sub, _ in items:
-                if not _savable(sub):
-                    _refuse(key, sub)
-        parts.append(part)
-        for key, item, last in items:
-            index = _entry(last)
-            aligned = (
-                isinstance(item, Tensor)
-                and isinstance(index, int)
-                and index < len(layout.flats)
-                and item.dim() == 1
-                and item.numel() == layout.flats[index].shard_numel
-            )
-            key = key.lstrip(".")
-            replicated = _replicated_at(item, index, layout)
-            if aligned:
-                key = key.rsplit("[", 1)[0]
-            elif replicated is not None:  # a replicated parameter's moment: keyed by its FQN
-                key = f"{key.rsplit('[', 1)[0]}/{replicated}"
-            described.append((item, f"optim/{key}", index if aligned else None))
-    return described, (spec, parts)
-
-
-def _replicated_at(item: Any, index: Any, layout: Layout) -> str | None:
-    """The replicated parameter an optimizer leaf at `index` of a per-leaf sequence belongs
-    to (they follow the flat buffers, as in `ShardedState.leaves()`), or None."""
-    if not isinstance(item, Tensor) or not isinstance(index, int):
-        return None
-    at = index - len(layout.flats)
-    return layout.replicated[at] if 0 <= at < len(layout.replicated) else None
-
-
-def _entry(key: Any) -> Any:
-    """The index or key a path step names (torch's SequenceKey/MappingKey, optree's entry)."""
-    for field in ("idx", "key", "entry"):
-        if hasattr(key, field):
-            return getattr(key, field)
-    return None
-
-
-def _rebuild_optim(spec: Any, leaves: list[Any]) -> Any:
-    """The optimizer state `_optim_leaves` flattened, from its (loaded) leaves."""
-    torch_spec, parts = spec
-    outer, at = [], 0
-    for part in parts:
-        if part is None:
-            outer.append(leaves[at])
-            at += 1
-        else:
-            sub_spec, count = part
-            outer.append(optree.tree_unflatten(sub_spec, leaves[at : at + count]))
-            at += count
-    return torch_pytree.tree_unflatten(outer, torch_spec)
-
-
-def _savable(leaf: Any) -> bool:
-    return leaf is None or isinstance(leaf, Tensor | int | float | bool | str)
-
-
-def _refuse(path: str, leaf: Any) -> None:
-    raise TypeError(
-        f"funcshard.checkpoint: the optimizer state's {path or 'root'} is a "
-        f"{type(leaf).__qualname__}, which is neither a tensor nor a pytree node, so it "
-        f"cannot be saved. Register its type as a pytree (a dataclass: "
-        f"torch.utils._pytree.register_dataclass; or optree.register_pytree_node), or "
-        f"make it a NamedTuple or a dict."
-    )
-
-
-def _first_ranks_buffers(state: ShardedState) -> ShardedState:
-    """`state` holding the mesh's first rank's buffers: each rank's own (BatchNorm's running
-    statistics) may differ, and DCP writes a tensor that several ranks hold from whichever
-    rank it picks, so every rank saves the first rank's, as `full_state_dict` returns them.
-    Communicates: one broadcast per buffer."""
-    mesh = state.layout.mesh
-    if mesh.size == 1 or not state.buffers:
-        return state
-    first = {
-        n: collectives.broadcast(b, mesh.group, src_rank=mesh.ranks[0])
-        for n, b in state.buffers.items()
-    }
-    return dataclasses.replace(state, buffers=first)
-
-
-def _to_dcp(state: ShardedState, opt_state: Any, zeros: bool = False) -> dict[str, Any]:
-    """The DCP state dict: sharded per parameter, plain tensors for the rest."""
-    layout = state.layout
-
-    def value(t: Tensor) -> Tensor:
-        return torch.zeros_like(t) if zeros else t
-
-    out: dict[str, Any] = {}
-    for flat, shard in zip(layout.flats, state.shards, strict=True):
-        out.update(_split("params", value(shard), flat, layout))
-    out.update({f"params/{k}": value(v) for k, v in state.replicated.items()})
-    out.update({f"buffers/{k}": value(v) for k, v in state.buffers.items()})
-    if opt_state is not None:
-        for leaf, key, index in _optim_leaves(opt_state, layout)[0]:
-            if index is not None:
-                out.update(_split(key, value(leaf), layout.flats[index], layout))
-            elif isinstance(leaf, Tensor):
-                out[key] = value(leaf)
-    return out
-
-
-def _from_dcp(state: ShardedState, opt_state: Any, loaded: dict[str, Any]) -> tuple[Any, Any]:
-    layout = state.layout
-    new_state = state.replace(
-        shards=tuple(_join("params", loaded, flat, layout) for flat in layout.flats),
-        replicated={k: loaded[f"params/{k}"] for k in state.replicated},
-        buffers={k: loaded[f"buffers/{k}"] for k in state.buffers},
-    )
-    if opt_state is None:
-        return new_state, None
-    described, spec = _optim_leaves(opt_state, layout)
-    leaves = [
-        _join(key, loaded, layout.flats[index], layout)
-        if index is not None
-        else (loaded[key] if isinstance(leaf, Tensor) else leaf)
-        for leaf, key, index in described
-    ]
-    return new_state, _rebuild_optim(spec, leaves)
-
-
-def _check_keys(directory: str, template: dict[str, Any]) -> None:
-    saved = collectives.dcp_sizes(directory)
-    missing = sorted(set(template) - set(saved))
-    unexpected = sorted(set(saved) - set(template))
-    wrong = [
-        f"{k} (saved {saved[k]}, expected {collectives.global_size(v)})"
-        for k, v in template.items()
-        if k in saved and saved[k] != collectives.global_size(v)
-    ]
-    if missing or unexpected or wrong:
-        raise ValueError(
-            f"funcshard.checkpoint.load: {directory!r} does not match the state: missing "
-            f"{format_names(missing) or 'none'}; unexpected {format_names(unexpected) or 'none'}; "
-            f"shape differs for {format_names(wrong) or 'none'}. Load into the model (and "
-            f"optimizer) that saved it; world size, mesh and plan may differ."
-        )

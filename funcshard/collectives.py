@@ -1092,12 +1092,15 @@ def global_size(tensor: Any) -> tuple[int, ...]:
         return tuple(tensor.size())
 
 
-def dcp_save(state_dict: dict[str, Any], directory: str) -> None:
-    """Save through torch.distributed.checkpoint; every rank writes its own pieces."""
+def dcp_save(
+    state_dict: dict[str, Any], directory: str, group: ProcessGroup | None = None
+) -> None:
+    """Save through torch.distributed.checkpoint; every rank of `group` (the default group
+    when None) writes its own pieces."""
     import torch.distributed.checkpoint as dcp
 
     with _quiet_sharded_tensor():
-        dcp.save(state_dict, checkpoint_id=directory)
+        dcp.save(state_dict, checkpoint_id=directory, process_group=group)
 
 
 class CheckpointReadError(RuntimeError):
@@ -1105,14 +1108,17 @@ class CheckpointReadError(RuntimeError):
     ranks' read errors)."""
 
 
-def dcp_load(state_dict: dict[str, Any], directory: str) -> None:
-    """Load in place into `state_dict`'s tensors, reading whichever saved pieces overlap."""
+def dcp_load(
+    state_dict: dict[str, Any], directory: str, group: ProcessGroup | None = None
+) -> None:
+    """Load in place into `state_dict`'s tensors, reading whichever saved pieces overlap
+    (collective over `group`, the default group when None)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with _quiet_sharded_tensor():
-            dcp.load(state_dict, storage_reader=_safe_reader(directory))
+            dcp.load(state_dict, storage_reader=_safe_reader(directory), process_group=group)
     except CheckpointException as e:
         raise CheckpointReadError(str(e)) from e
 
@@ -1121,6 +1127,24 @@ def dcp_sizes(directory: str) -> dict[str, tuple[int, ...]]:
     """The saved tensors' names and full shapes, from a checkpoint's metadata."""
     metadata = _safe_reader(directory).read_metadata()
     return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
+
+
+def dcp_dtypes(directory: str) -> dict[str, torch.dtype]:
+    """The saved tensors' dtypes, from a checkpoint's metadata."""
+    metadata = _safe_reader(directory).read_metadata()
+    return {
+        k: v.properties.dtype
+        for k, v in metadata.state_dict_metadata.items()
+        if hasattr(v, "properties")
+    }
+
+
+def global_dtype(tensor: Any) -> torch.dtype:
+    """The dtype of a plain or sharded tensor."""
+    with _quiet_sharded_tensor():
+        if isinstance(tensor, Tensor) and not hasattr(tensor, "local_shards"):
+            return tensor.dtype
+        return tensor.metadata().tensor_properties.dtype
 
 
 def dcp_storage(directory: str) -> list[tuple[str, tuple[int, ...], str, int, int]]:

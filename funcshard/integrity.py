@@ -13,7 +13,9 @@ checks its share of the chunks before DCP reads any; every rank learns every mis
 all-gather of the findings), so all raise `CheckpointCorrupted` together, naming the file,
 the tensor and chunk, and the previous complete checkpoint to load instead. `verify(path)`
 checks a whole checkpoint offline, with no process group. Checkpoints written before
-checksums existed still load, with a warning that they were not verified.
+checksums existed still load, with a warning that they were not verified. The checksums
+file carries a CRC-32 of its own content, so a damaged checksums file is named as such
+rather than as damaged tensor data.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ def write(directory: str, chunk_records: Iterable[dict], files: Iterable[str]) -
         "files": {f: _file_record(os.path.join(directory, f)) for f in files},
         "chunks": sorted(chunk_records, key=lambda r: (r["file"], r["start"])),
     }
+    record["self_crc32"] = _self_crc(record)
     tmp = os.path.join(directory, CHECKSUMS + ".tmp")
     with open(tmp, "w") as f:
         json.dump(record, f)
@@ -119,7 +122,20 @@ def read(directory: str) -> dict | None:
             raise ValueError("not a checksums file funcshard wrote")
     except (ValueError, OSError) as e:
         raise CheckpointCorrupted(f"{path} cannot be read ({e})") from e
+    if "self_crc32" in record and record["self_crc32"] != _self_crc(record):
+        raise CheckpointCorrupted(
+            f"{path} itself is damaged: its own CRC-32 does not match what it holds, so it "
+            f"cannot tell which chunks are intact (the tensor data may well be). Restore it "
+            f"from a copy, or load the checkpoint with verify=False if you trust its data"
+        )
     return record
+
+
+def _self_crc(record: dict) -> int:
+    """CRC-32 of a checksums record without its own CRC (a damaged record is named as
+    such, not as damaged tensor data)."""
+    body = {k: v for k, v in record.items() if k != "self_crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
 
 
 def check_files(directory: str, record: dict) -> list[str]:

@@ -92,8 +92,8 @@ def _killed_save(path: str, rank: int) -> dict:
     state2, opt_state2, _ = _steps(model, state, opt, opt_state, [0], 2, rank)
     real = checkpoint.collectives.dcp_save
 
-    def dies_after_writing(state_dict, directory):
-        real(state_dict, directory)
+    def dies_after_writing(state_dict, directory, *rest):
+        real(state_dict, directory, *rest)
         raise RuntimeError("killed while saving")
 
     checkpoint.collectives.dcp_save = dies_after_writing
@@ -237,7 +237,7 @@ def _resave_same_step_then_die(path: str, rank: int) -> dict:
     checkpoint.save(path, state, step=3)
     real = checkpoint.collectives.dcp_save
 
-    def dies(state_dict, directory):
+    def dies(state_dict, directory, *rest):
         raise RuntimeError("killed before writing")
 
     checkpoint.collectives.dcp_save = dies

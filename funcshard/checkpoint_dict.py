@@ -1,0 +1,132 @@
+"""The state dict a checkpoint hands torch.distributed.checkpoint: one entry per parameter.
+
+Every parameter is a 1-D sharded tensor of its flattened values, each rank contributing the
+contiguous piece its flat shard holds (see [Note: checkpoints] in funcshard/checkpoint.py);
+optimizer leaves lined up with the flats are split the same way; the rest are plain
+tensors. A parameter of 0 elements is a plain empty tensor: a sharded tensor with no piece
+on any rank is one torch cannot save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from funcshard import collectives
+from funcshard.layout import FlatLayout, Layout
+from funcshard.state import ShardedState
+
+
+def to_dcp(
+    state: ShardedState, described: list[tuple[Any, str, Any]], zeros: bool = False
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The DCP entries by key, and for each sharded key the flat it belongs to (its name in
+    the per-replica comparison: `<prefix>#<flat index>`)."""
+    layout = state.layout
+
+    def value(t: Tensor) -> Tensor:
+        return torch.zeros_like(t) if zeros else t
+
+    out: dict[str, Any] = {}
+    flat_of: dict[str, str] = {}
+
+    def split(prefix: str, shard: Tensor, index: int) -> None:
+        pieces = _split(prefix, value(shard), layout.flats[index], layout)
+        out.update(pieces)
+        flat_of.update(dict.fromkeys(pieces, f"{prefix}#{index}"))
+
+    for index, shard in enumerate(state.shards):
+        split("params", shard, index)
+    out.update({f"params/{k}": value(v) for k, v in state.replicated.items()})
+    out.update({f"buffers/{k}": value(v) for k, v in state.buffers.items()})
+    for leaf, key, index in described:
+        if index is not None:
+            split(key, leaf, index)
+        elif isinstance(leaf, Tensor):
+            out[key] = value(leaf)
+    return out, flat_of
+
+
+def flat_shards(state: ShardedState, described: list[tuple[Any, str, Any]]) -> dict[str, Tensor]:
+    """This rank's shard of every flat, params and lined-up optimizer leaves, by flat name."""
+    out = {f"params#{i}": shard for i, shard in enumerate(state.shards)}
+    out.update({f"{key}#{index}": leaf for leaf, key, index in described if index is not None})
+    return out
+
+
+def from_dcp(
+    state: ShardedState, described: list[tuple[Any, str, Any]], loaded: dict[str, Any]
+) -> tuple[ShardedState, list[Any]]:
+    """The state and the optimizer leaves rebuilt from loaded entries (non-tensor leaves
+    from `loaded` when present, else as described)."""
+    layout = state.layout
+    new_state = state.replace(
+        shards=tuple(_join("params", loaded, flat, layout) for flat in layout.flats),
+        replicated={k: loaded[f"params/{k}"] for k in state.replicated},
+        buffers={k: loaded[f"buffers/{k}"] for k in state.buffers},
+    )
+    leaves = [
+        _join(key, loaded, layout.flats[index], layout)
+        if index is not None
+        else loaded.get(key, leaf)
+        for leaf, key, index in described
+    ]
+    return new_state, leaves
+
+
+def first_ranks_buffers(state: ShardedState) -> ShardedState:
+    """`state` holding the mesh's first rank's buffers: each rank's own (BatchNorm's running
+    statistics) may differ, and DCP writes a tensor that several ranks hold from whichever
+    rank it picks, so every rank saves the first rank's, as `full_state_dict` returns them.
+    Communicates: one broadcast per buffer."""
+    mesh = state.layout.mesh
+    if mesh.size == 1 or not state.buffers:
+        return state
+    first = {
+        n: collectives.broadcast(b, mesh.group, src_rank=mesh.ranks[0])
+        for n, b in state.buffers.items()
+    }
+    return dataclasses.replace(state, buffers=first)
+
+
+def _pieces(shard: Tensor, flat: FlatLayout, shard_rank: int) -> dict[str, tuple[int, Tensor]]:
+    """The piece of each parameter that this rank's shard holds: fqn -> (start, values)."""
+    start, end = shard_rank * flat.shard_numel, (shard_rank + 1) * flat.shard_numel
+    out = {}
+    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
+        lo, hi = max(start, offset), min(end, offset + numel)
+        if lo < hi:
+            out[fqn] = (lo - offset, shard[lo - start : hi - start])
+    return out
+
+
+def _split(prefix: str, shard: Tensor, flat: FlatLayout, layout: Layout) -> dict[str, Any]:
+    """One 1-D sharded tensor per parameter of a flat buffer, holding this rank's piece."""
+    mesh = layout.mesh
+    pieces = _pieces(shard, flat, mesh.shard_rank)
+    # Sharded over the shard axis only: each replica holds (and loads) all of it, and DCP's
+    # save planner writes a chunk that several replicas hold once.
+    return {
+        f"{prefix}/{fqn}": collectives.sharded_tensor(
+            [pieces[fqn]] if fqn in pieces else [], numel, mesh.shard_group
+        )
+        if numel
+        else shard.new_zeros(0)  # no rank holds a piece of it: see the module's docstring
+        for fqn, numel in zip(flat.fqns, flat.numels, strict=True)
+    }
+
+
+def _join(prefix: str, loaded: dict[str, Any], flat: FlatLayout, layout: Layout) -> Tensor:
+    """This rank's flat shard rebuilt from loaded per-parameter pieces (padding zero)."""
+    shard = torch.zeros(flat.shard_numel, dtype=flat.dtype, device=layout.mesh.device)
+    base = layout.mesh.shard_rank * flat.shard_numel
+    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
+        if not numel:
+            continue
+        for start, values in collectives.local_pieces(loaded[f"{prefix}/{fqn}"]):
+            at = offset + start - base
+            shard[at : at + values.numel()] = values.reshape(-1)
+    return shard
