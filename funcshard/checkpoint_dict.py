@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives
-from funcshard.layout import FlatLayout, Layout
+from funcshard.layout import Layout
+from funcshard.optim_leaves import Packed, packed_pieces
 from funcshard.state import ShardedState
 
 
@@ -33,8 +34,8 @@ def to_dcp(
     out: dict[str, Any] = {}
     flat_of: dict[str, str] = {}
 
-    def split(prefix: str, shard: Tensor, index: int) -> None:
-        pieces = _split(prefix, value(shard), layout.flats[index], layout)
+    def split(prefix: str, shard: Tensor, index: int | Packed) -> None:
+        pieces = _split(prefix, value(shard), index, layout)
         out.update(pieces)
         flat_of.update(dict.fromkeys(pieces, f"{prefix}#{index}"))
 
@@ -64,14 +65,12 @@ def from_dcp(
     from `loaded` when present, else as described)."""
     layout = state.layout
     new_state = state.replace(
-        shards=tuple(_join("params", loaded, flat, layout) for flat in layout.flats),
+        shards=tuple(_join("params", loaded, i, layout) for i in range(len(layout.flats))),
         replicated={k: loaded[f"params/{k}"] for k in state.replicated},
         buffers={k: loaded[f"buffers/{k}"] for k in state.buffers},
     )
     leaves = [
-        _join(key, loaded, layout.flats[index], layout)
-        if index is not None
-        else loaded.get(key, leaf)
+        _join(key, loaded, index, layout) if index is not None else loaded.get(key, leaf)
         for leaf, key, index in described
     ]
     return new_state, leaves
@@ -92,9 +91,18 @@ def first_ranks_buffers(state: ShardedState) -> ShardedState:
     return dataclasses.replace(state, buffers=first)
 
 
-def _pieces(shard: Tensor, flat: FlatLayout, shard_rank: int) -> dict[str, tuple[int, Tensor]]:
-    """The piece of each parameter that this rank's shard holds: fqn -> (start, values)."""
-    start, end = shard_rank * flat.shard_numel, (shard_rank + 1) * flat.shard_numel
+def _pieces(shard: Tensor, lined: int | Packed, layout: Layout) -> dict[str, tuple[int, Tensor]]:
+    """The piece of each parameter that this rank's leaf holds: fqn -> (start, values). The
+    leaf is a flat shard (`lined` its index) or a partition group's packed leaf."""
+    if isinstance(lined, Packed):
+        out, at = {}, 0
+        for fqn, lo, hi in packed_pieces(layout, lined.flat, lined.fqns):
+            out[fqn] = (lo, shard[at : at + hi - lo])
+            at += hi - lo
+        return out
+    flat = layout.flats[lined]
+    start = layout.mesh.shard_rank * flat.shard_numel
+    end = start + flat.shard_numel
     out = {}
     for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
         lo, hi = max(start, offset), min(end, offset + numel)
@@ -103,10 +111,17 @@ def _pieces(shard: Tensor, flat: FlatLayout, shard_rank: int) -> dict[str, tuple
     return out
 
 
-def _split(prefix: str, shard: Tensor, flat: FlatLayout, layout: Layout) -> dict[str, Any]:
-    """One 1-D sharded tensor per parameter of a flat buffer, holding this rank's piece."""
+def _members(lined: int | Packed, layout: Layout) -> list[tuple[str, int]]:
+    """(fqn, numel) of every parameter a lined-up leaf stores a key for."""
+    flat = layout.flats[lined.flat if isinstance(lined, Packed) else lined]
+    chosen = set(lined.fqns) if isinstance(lined, Packed) else set(flat.fqns)
+    return [(f, n) for f, n in zip(flat.fqns, flat.numels, strict=True) if f in chosen]
+
+
+def _split(prefix: str, shard: Tensor, lined: int | Packed, layout: Layout) -> dict[str, Any]:
+    """One 1-D sharded tensor per parameter of a lined-up leaf, holding this rank's piece."""
     mesh = layout.mesh
-    pieces = _pieces(shard, flat, mesh.shard_rank)
+    pieces = _pieces(shard, lined, layout)
     # Sharded over the shard axis only: each replica holds (and loads) all of it, and DCP's
     # save planner writes a chunk that several replicas hold once.
     return {
@@ -115,12 +130,30 @@ def _split(prefix: str, shard: Tensor, flat: FlatLayout, layout: Layout) -> dict
         )
         if numel
         else shard.new_zeros(0)  # no rank holds a piece of it: see the module's docstring
-        for fqn, numel in zip(flat.fqns, flat.numels, strict=True)
+        for fqn, numel in _members(lined, layout)
     }
 
 
-def _join(prefix: str, loaded: dict[str, Any], flat: FlatLayout, layout: Layout) -> Tensor:
-    """This rank's flat shard rebuilt from loaded per-parameter pieces (padding zero)."""
+def _join(prefix: str, loaded: dict[str, Any], lined: int | Packed, layout: Layout) -> Tensor:
+    """This rank's lined-up leaf rebuilt from loaded per-parameter pieces (padding zero)."""
+    if isinstance(lined, Packed):
+        flat = layout.flats[lined.flat]
+        placed = packed_pieces(layout, lined.flat, lined.fqns)
+        leaf = torch.zeros(
+            sum(hi - lo for _, lo, hi in placed), dtype=flat.dtype, device=layout.mesh.device
+        )
+        at = {}
+        position = 0
+        for fqn, lo, hi in placed:
+            at[fqn] = position - lo  # where the parameter's element 0 would sit
+            position += hi - lo
+        for fqn, _ in _members(lined, layout):
+            for start, values in collectives.local_pieces(loaded[f"{prefix}/{fqn}"]):
+                if fqn in at:
+                    where = at[fqn] + start
+                    leaf[where : where + values.numel()] = values.reshape(-1)
+        return leaf
+    flat = layout.flats[lined]
     shard = torch.zeros(flat.shard_numel, dtype=flat.dtype, device=layout.mesh.device)
     base = layout.mesh.shard_rank * flat.shard_numel
     for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):

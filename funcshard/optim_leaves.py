@@ -20,6 +20,8 @@ is refused naming its path, so nothing is silently left out.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,24 +42,74 @@ class _OwnedPart:
     counts: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class _GroupsPart:
+    """How to rebuild a PartitionState of sharded params: each group's state's flattening
+    and leaf count, and the groups' parts (kept from the state flattened)."""
+
+    names: tuple[str, ...]
+    specs: tuple[Any, ...]
+    counts: tuple[int, ...]
+    groups: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """What a leaf of a partition group's packed view lines up with: this rank's pieces of
+    `fqns` (in buffer order) of flat buffer `flat` (see [Note: a parameter group's view])."""
+
+    flat: int
+    fqns: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.flat}:{len(self.fqns)}"
+
+
+Align = Callable[[Any, str, Any], tuple[Any, str, Any]]
+
+
 def optim_leaves(opt_state: Any, layout: Layout) -> tuple[list[tuple[Any, str, Any]], Any]:
-    """Each optimizer leaf as (value, key, index of the flat it lines up with or None), and
-    what `rebuild` needs to put (loaded) leaves back into the same structure."""
-    pairs, torch_spec = torch_pytree.tree_flatten_with_path(opt_state, is_leaf=_is_owned)
+    """Each optimizer leaf as (value, key, what it lines up with: a flat's index, a `Packed`
+    group leaf, or None), and what `rebuild` needs to put (loaded) leaves back into the
+    same structure."""
+    return _described(opt_state, "", functools.partial(_aligned, layout=layout), layout)
+
+
+def _described(tree: Any, base: str, align: Align, layout: Layout) -> tuple[list, Any]:
+    pairs, torch_spec = torch_pytree.tree_flatten_with_path(tree, is_leaf=_is_node)
     described: list[tuple[Any, str, Any]] = []
     parts: list[Any] = []
     for path, leaf in pairs:
-        prefix = torch_pytree.keystr(path).lstrip(".")
+        prefix = (base + torch_pytree.keystr(path)).lstrip(".")
         if isinstance(leaf, Owned):
             items, part = _owned_items(prefix, leaf)
+            described.extend(items)
+            parts.append(part)
+            continue
+        if _is_groups(leaf):
+            items, part = _group_items(prefix, leaf, layout)
             described.extend(items)
             parts.append(part)
             continue
         items, part = _leaf_items(prefix, leaf, path[-1] if path else None)
         parts.append(part)
         for key, item, last in items:
-            described.append(_aligned(item, key.lstrip("."), _entry(last), layout))
+            described.append(align(item, key.lstrip("."), _entry(last)))
     return described, (torch_spec, parts)
+
+
+def _group_items(prefix: str, node: Any, layout: Layout) -> tuple[list, _GroupsPart]:
+    """The leaves of a PartitionState of sharded params: each group's state lined up with
+    the group's own leaves (packed or whole), so its moments save per parameter too."""
+    items, specs, counts = [], [], []
+    for name, parts in node.groups:
+        align = functools.partial(_group_aligned, layout=layout, parts=parts)
+        found, spec = _described(node.states[name], f"{prefix}.states[{name!r}]", align, layout)
+        items.extend(found)
+        specs.append(spec)
+        counts.append(len(found))
+    names = tuple(name for name, _ in node.groups)
+    return items, _GroupsPart(names, tuple(specs), tuple(counts), node.groups)
 
 
 def rebuild(spec: Any, leaves: list[Any]) -> Any:
@@ -65,7 +117,13 @@ def rebuild(spec: Any, leaves: list[Any]) -> Any:
     torch_spec, parts = spec
     outer, at = [], 0
     for part in parts:
-        if isinstance(part, _OwnedPart):
+        if isinstance(part, _GroupsPart):
+            states = {}
+            for name, sub_spec, count in zip(part.names, part.specs, part.counts, strict=True):
+                states[name] = rebuild(sub_spec, leaves[at : at + count])
+                at += count
+            outer.append(_partition_state()(states=states, groups=part.groups))
+        elif isinstance(part, _OwnedPart):
             states = {}
             for fqn, sub_spec, count in zip(part.fqns, part.specs, part.counts, strict=True):
                 states[fqn] = rebuild(sub_spec, leaves[at : at + count])
@@ -81,8 +139,53 @@ def rebuild(spec: Any, leaves: list[Any]) -> Any:
     return torch_pytree.tree_unflatten(outer, torch_spec)
 
 
-def _is_owned(node: Any) -> bool:
-    return isinstance(node, Owned)
+def _is_node(node: Any) -> bool:
+    return isinstance(node, Owned) or _is_groups(node)
+
+
+def _is_groups(node: Any) -> bool:
+    """A partition's state over sharded params (over a dict it has no groups: plain)."""
+    return isinstance(node, _partition_state()) and bool(node.groups)
+
+
+def _partition_state() -> type:
+    from funcshard.optim import PartitionState  # optim imports checkpointing's users
+
+    return PartitionState
+
+
+def _group_aligned(item: Any, key: str, index: Any, layout: Layout, parts: tuple) -> tuple:
+    """(value, key, what it lines up with) of a leaf of a partition group's state: index j
+    of a per-leaf sequence is the group's leaf j (see funcshard/groups.py)."""
+    if not (isinstance(item, Tensor) and isinstance(index, int) and 0 <= index < len(parts)):
+        return item, f"optim/{key}", None
+    part, n, base = parts[index], len(layout.flats), key.rsplit("[", 1)[0]
+    if part.source >= n:  # a replicated parameter's moment: keyed by its FQN
+        return item, f"optim/{base}/{part.fqns[0]}", None
+    if item.dim() != 1:
+        return item, f"optim/{key}", None
+    if not part.packed and item.numel() == layout.flats[part.source].shard_numel:
+        return item, f"optim/{base}", part.source
+    if part.packed and item.numel() == packed_numel(layout, part):
+        return item, f"optim/{base}", Packed(part.source, part.fqns)
+    return item, f"optim/{key}", None
+
+
+def packed_numel(layout: Layout, part: Any) -> int:
+    """Elements of this rank's packed leaf of a group's `part`."""
+    return sum(hi - lo for _, lo, hi in packed_pieces(layout, part.source, part.fqns))
+
+
+def packed_pieces(layout: Layout, flat_index: int, fqns: tuple[str, ...]) -> list:
+    """(fqn, start in the parameter, end) of this rank's pieces of `fqns` in flat
+    `flat_index`, in buffer order: a packed leaf holds them one after another."""
+    flat, rank, chosen = layout.flats[flat_index], layout.mesh.shard_rank, set(fqns)
+    base, out = rank * flat.shard_numel, []
+    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
+        lo, hi = max(base, offset), min(base + flat.shard_numel, offset + numel)
+        if fqn in chosen and lo < hi:
+            out.append((fqn, lo - offset, hi - offset))
+    return out
 
 
 def _aligned(item: Any, key: str, index: Any, layout: Layout) -> tuple[Any, str, Any]:

@@ -190,3 +190,61 @@ def test_owners_are_balanced_within_one_parameter(numels, size):
     load = [sum(n for n, o in zip(numels, owner, strict=True) if o == r) for r in range(size)]
     assert all(0 <= o < size for o in owner)
     assert max(load) - min(load) <= max(numels)
+
+
+def _muon_adamw() -> fs.optim.Optimizer:
+    groups = {"muon": fs.optim.muon(0.02), "adamw": fs.optim.adamw(3e-3)}
+    return fs.optim.partition(groups, _label)
+
+
+def _as_dict(params, opt_state) -> dict:
+    """Every tensor of a one-process state by path: what a bitwise comparison reads."""
+    leaves = optree.tree_flatten_with_path((dict(params), opt_state))
+    return {str(path): leaf for path, leaf in zip(*leaves[:2], strict=True)}
+
+
+def _checkpointed(path: str, world: int, source: str | None, rank: int):
+    """Train 2 steps and save (source None), or load `source` and save it again here; at
+    one process, return the loaded state by path."""
+    torch.manual_seed(0)
+    model = GPT(_config())
+    mesh = "dict" if world == 1 else "fsdp"
+    params = (
+        fs.shard(
+            model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=world)
+        )
+        if mesh == "fsdp"
+        else None
+    )
+    if world == 1:
+        params = fs.shard(model, fs.plan(model), fs.Mesh(shard=1))
+    opt = _muon_adamw()
+    opt_state = opt.init(params)
+    if source is None:
+        for step in range(2):
+            x, y = random_tokens(_config(), 6, seed=step)
+            mine = x.chunk(world)[rank], y.chunk(world)[rank]
+            _, grads = fs.value_and_grad(functools.partial(_loss, model))(params, *mine)
+            params, opt_state = opt.step(grads, opt_state, params)
+    else:
+        params, opt_state, _, _ = fs.checkpoint.load(source, like=(params, opt_state))
+    fs.checkpoint.save(path, params, opt_state, step=2)
+    if world == 1:
+        return _as_dict(fs.unshard(params), opt_state)
+    return None
+
+
+def test_muon_adamw_state_saved_at_two_ranks_loads_at_three_and_one_bitwise(tmp_path):
+    """Owned Muon buffers and packed AdamW moments: saved at 2 ranks, loaded at 3 (and saved
+    there), both loaded at 1 process hold the same bits."""
+    first, second, alone = (str(tmp_path / n) for n in ("two", "three", "one"))
+    testing.run(functools.partial(_checkpointed, first, 2, None), world_size=2)
+    testing.run(functools.partial(_checkpointed, second, 3, first), world_size=3)
+    direct = testing.run(functools.partial(_checkpointed, alone, 1, first), world_size=1)[0]
+    via_three = testing.run(functools.partial(_checkpointed, alone, 1, second), world_size=1)[0]
+    assert direct.keys() == via_three.keys()
+    for key, value in direct.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, via_three[key]), key
+        else:
+            assert value == via_three[key], key
