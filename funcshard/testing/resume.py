@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 import funcshard as fs
-from funcshard import collectives
+from funcshard import collectives, groups
 from funcshard.owned import Owned
 from funcshard.testing.harness import (
     Case,
@@ -162,35 +162,86 @@ def _fields(record: Any) -> list[tuple[str, Any]]:
     return []
 
 
-def _like_shards(value: Any, state: fs.ShardedState) -> bool:
+def _like_shards(value: Any, state: fs.ShardedState, parts: tuple | None = None) -> bool:
+    """Whether `value` is one moment per leaf: per flat shard, or inside a partition group
+    of sharded params per leaf of the group's view (`parts`)."""
     return (
         isinstance(value, tuple | list)
-        and len(value) == len(state.shards)
+        and len(value) == (len(state.shards) if parts is None else len(parts))
         and all(v is None or isinstance(v, Tensor) for v in value)
         and any(isinstance(v, Tensor) for v in value)
     )
 
 
+def _groups(value: Any) -> tuple | None:
+    """A partition's groups over sharded params ((name, parts) pairs), else None."""
+    if isinstance(value, fs.optim.PartitionState) and value.groups:
+        return value.groups
+    return None
+
+
+def _as_shards(state: fs.ShardedState, value: Any, parts: tuple | None) -> tuple:
+    """Moments per flat shard (None where absent): a group's packed leaves spread back over
+    their flat shards with zeros elsewhere; replicated parameters' moments left out."""
+    if parts is None:
+        return tuple(value)
+    n, rank = len(state.shards), state.layout.mesh.shard_rank
+    out: list[Tensor | None] = [None] * n
+    for part, v in zip(parts, value, strict=True):
+        if part.source >= n or v is None:
+            continue
+        if not part.packed:
+            out[part.source] = v
+            continue
+        full = v.new_zeros(state.layout.flats[part.source].shard_numel)
+        at = 0
+        for piece in groups._slices(state.layout, rank, part):
+            full[piece] = v[at : at + piece.stop - piece.start]
+            at += piece.stop - piece.start
+        out[part.source] = full
+    return tuple(out)
+
+
 def _unshard_fields(
-    state: fs.ShardedState, record: Any, prefix: str, out: dict, sharded: bool = True
+    state: fs.ShardedState,
+    record: Any,
+    prefix: str,
+    out: dict,
+    sharded: bool = True,
+    parts: tuple | None = None,
 ) -> None:
     """Fill `out` with `record`'s fields by path (`sharded=False` inside an Owned, whose
-    tensors are whole parameters' and must not be taken for shards)."""
+    tensors are whole parameters' and must not be taken for shards; `parts` inside a
+    partition group, whose per-leaf moments line up with the group's view)."""
     for name, value in _fields(record):
         path = f"{prefix}{name}"
         if isinstance(value, Owned):
             _unshard_fields(state, _every_key(state, value), f"{path}.", out, sharded=False)
-        elif sharded and _like_shards(value, state):
-            present = tuple(v is not None for v in value)
+        elif _groups(value) is not None:
+            for group, group_parts in _groups(value):
+                inner = {group: value.states[group]}
+                _unshard_fields(state, inner, f"{path}.states.", out, sharded, group_parts)
+        elif sharded and _like_shards(value, state, parts):
+            _replicated_moments(state, value, parts, path, out)
+            shards = _as_shards(state, value, parts)
+            present = tuple(v is not None for v in shards)
             filled = tuple(
                 v if v is not None else torch.zeros_like(s)
-                for v, s in zip(value, state.shards, strict=True)
+                for v, s in zip(shards, state.shards, strict=True)
             )
             out[path] = (present, _clone(fs.unshard(state.replace(shards=filled))))
         elif _fields(value):
-            _unshard_fields(state, value, f"{path}.", out, sharded)
+            _unshard_fields(state, value, f"{path}.", out, sharded, parts)
         else:
             out[path] = value.detach().clone() if isinstance(value, Tensor) else value
+
+
+def _replicated_moments(state, value, parts, path: str, out: dict) -> None:
+    """A group's moments of replicated parameters, whole, by FQN."""
+    n = len(state.shards)
+    for part, v in zip(parts or (), value, strict=False):
+        if part.source >= n and v is not None:
+            out[f"{path}/{part.fqns[0]}"] = v.detach().clone()
 
 
 def _every_key(state: fs.ShardedState, owned: Owned) -> dict[str, Any]:
@@ -210,27 +261,49 @@ def _with_moments(state: fs.ShardedState, opt_state: Any, moments: dict[str, Any
 
 
 def _named(opt_state: Any, state: fs.ShardedState) -> Any:
-    """A state that is itself an Owned or one moment per shard, as a record with one field,
-    `state`; any other as it is."""
-    bare = isinstance(opt_state, Owned) or _like_shards(opt_state, state)
+    """A state that is itself an Owned, a partition's of sharded params or one moment per
+    shard, as a record with one field, `state`; any other as it is."""
+    bare = (
+        isinstance(opt_state, Owned)
+        or _groups(opt_state) is not None
+        or _like_shards(opt_state, state)
+    )
     return {"state": opt_state} if bare else opt_state
 
 
 def _rebuilt(
-    state: fs.ShardedState, record: Any, moments: dict[str, Any], prefix: str, sharded: bool = True
+    state: fs.ShardedState,
+    record: Any,
+    moments: dict[str, Any],
+    prefix: str,
+    sharded: bool = True,
+    parts: tuple | None = None,
 ) -> Any:
     changes = {}
     for name, value in _fields(record):
         path = f"{prefix}{name}"
         if isinstance(value, Owned):
             changes[name] = Owned(_rebuilt(state, value.states, moments, f"{path}.", False))
-        elif sharded and _like_shards(value, state):
+        elif _groups(value) is not None:
+            states = {
+                group: _rebuilt(
+                    state,
+                    {group: value.states[group]},
+                    moments,
+                    f"{path}.states.",
+                    sharded,
+                    group_parts,
+                )[group]
+                for group, group_parts in _groups(value)
+            }
+            changes[name] = dataclasses.replace(value, states=states)
+        elif sharded and _like_shards(value, state, parts):
             present, full = moments[path]
             shards = fs.reshard(state, full).shards
-            moments_again = (s if p else None for s, p in zip(shards, present, strict=True))
-            changes[name] = type(value)(moments_again)
+            moments_again = [s if p else None for s, p in zip(shards, present, strict=True)]
+            changes[name] = type(value)(_as_group(state, moments_again, parts, moments, path))
         elif _fields(value):
-            changes[name] = _rebuilt(state, value, moments, f"{path}.", sharded)
+            changes[name] = _rebuilt(state, value, moments, f"{path}.", sharded, parts)
         else:
             changes[name] = moments[path]
     if isinstance(record, dict):
@@ -239,6 +312,23 @@ def _rebuilt(
         values = [changes[str(i)] for i in range(len(record))]
         return type(record)(*values) if hasattr(record, "_fields") else type(record)(values)
     return dataclasses.replace(record, **changes)
+
+
+def _as_group(state, shards: list, parts: tuple | None, moments: dict, path: str) -> list:
+    """Moments per flat shard as a group's per-leaf moments (packed where the group's leaf
+    is), its replicated parameters' from `moments` by FQN; as they are outside a group."""
+    if parts is None:
+        return shards
+    n, rank = len(state.shards), state.layout.mesh.shard_rank
+    out = []
+    for part in parts:
+        if part.source >= n:
+            out.append(moments[f"{path}/{part.fqns[0]}"])
+        elif part.packed:
+            out.append(groups._packed(shards[part.source], state.layout, rank, part))
+        else:
+            out.append(shards[part.source])
+    return out
 
 
 def _differences(what: str, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
