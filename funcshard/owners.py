@@ -147,8 +147,14 @@ def to_owners(plan: Plan, kinds: Sequence[Sequence[Tensor | None]], group) -> li
     entries = [(k, m) for k in range(len(kinds)) for m in plan.members]
     for dtype, chosen in _by_dtype(entries, lambda e: kinds[e[0]][e[1].leaf].dtype):
         pieces = _exchange_out(plan, chosen, kinds, dtype, group)
+        # a parameter in one piece could be a view of the received buffer, but a view keeps
+        # all of it alive: once any parameter is concatenated from pieces (a copy), the one-
+        # piece ones are copied too, so that the buffer is freed and no element is held twice
+        copied = any(len(parts) > 1 for parts in pieces.values())
         for (k, m), parts in pieces.items():
-            out[k][m.fqn] = (torch.cat(parts) if len(parts) > 1 else parts[0]).view(m.shape)
+            one = parts[0].clone() if copied else parts[0]
+            out[k][m.fqn] = (torch.cat(parts) if len(parts) > 1 else one).view(m.shape)
+        del pieces
     return out
 
 
@@ -159,7 +165,7 @@ def from_owners(
     `updates` (this rank's owned parameters' whole updates) at this rank's pieces; zero
     where no trained parameter lies, None where `like` is None.
     Communicates: one uneven all-to-all per dtype over the shard group."""
-    out: list[Tensor | None] = [None if g is None else torch.zeros_like(g) for g in like]
+    out: list[Tensor | None] = [None] * len(like)
     for whole in plan.wholes:
         if like[whole.leaf] is not None:
             out[whole.leaf] = updates[whole.fqn].to(like[whole.leaf].dtype)
@@ -172,6 +178,12 @@ def from_owners(
         receives = [_held(plan, chosen, r) for r in range(plan.size)]
         total = sum(m.numel for m in chosen)
         received = _exchange(sends, receives, dtype, group, total, "<whole-parameter updates>")
+        del sends
+        # the leaves are made after the exchange, once its send buffer is freed: the two
+        # never coexist (each is this rank's share of the group's elements)
+        for m in chosen:
+            if out[m.leaf] is None:
+                out[m.leaf] = torch.zeros_like(like[m.leaf])
         for owner, buffer in enumerate(received):
             at = 0
             for m in chosen:
@@ -181,6 +193,9 @@ def from_owners(
                 if hi > lo:
                     out[m.leaf][m.local : m.local + hi - lo] = buffer[at : at + hi - lo]
                     at += hi - lo
+    for i, g in enumerate(like):
+        if out[i] is None and g is not None:
+            out[i] = torch.zeros_like(g)
     return out
 
 

@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of the repository, not installed
 
-from benchmarks import gpu, report  # noqa: E402
+from benchmarks import gpu, muon, report  # noqa: E402
 from funcshard import host_memory  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -128,3 +128,16 @@ def test_host_memory_benchmark_alternates_processes_and_compares_their_faults():
     rows = re.findall(r"^\| (glibc's defaults|memory kept) +\|( +\d+ +\|){2}", out.stdout, re.M)
     assert [r[0] for r in rows] == ["glibc's defaults", "memory kept"], out.stdout
     assert re.search(r"memory kept: funcshard / DDP [\d.]+-[\d.]+, mean [\d.]+", out.stdout)
+
+
+def test_muon_benchmark_times_and_meters_both_optimizer_steps_and_counts_state():
+    spec = muon.MuonSpec(cfg=muon.QUICK_CFG, rounds=1, warmup=0, memory_steps=1)
+    result = muon.measure(spec, 2)
+    for name in ("funcshard", "FSDP2"):
+        assert result.step[name] > 0 and result.train[name] >= result.step[name]
+        assert result.peaks[name] > 0
+    row = r"^\| +2 \|( +[\d.]+ \|( +[\d.]+ \|) [\d.]+x +\|){3}$"
+    assert re.search(row, muon.table([result], "github"), flags=re.M)
+    state = muon.state_bytes(muon.QUICK_CFG, 2)
+    for name in ("torch.optim, one process / 2", "funcshard muon + adamw", "stand-in"):
+        assert name in state

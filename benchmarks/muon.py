@@ -1,0 +1,428 @@
+"""Muon + AdamW: funcshard's `whole_params` Muon vs FSDP2 + torch.optim.Muon, side by side.
+
+    python -m benchmarks.muon [--world-sizes 2 4] [--rounds 8] [--fake] [--quick]
+    python -m benchmarks.muon --state-bytes [--world-size 4]
+
+The usual recipe: Muon on the blocks' matrices, AdamW on the rest (embeddings, norms,
+biases), on a GPT (vocab 8192, d 384, 4 blocks, tied embedding) sharded per block and root.
+funcshard: `fs.optim.partition({"muon": fs.optim.muon(...), "adamw": fs.optim.adamw(...)})`,
+each matrix orthogonalized once per shard group, on its owner rank. FSDP2: `fully_shard` per
+block and root, `torch.optim.Muon` on the matrices (DTensors) and `torch.optim.AdamW` on the
+rest. The same labels, learning rates and batch on both.
+
+- Optimizer-step time: funcshard's `opt.step(grads, opt_state, params)` against FSDP2's
+  `muon.step(); adamw.step()`, each after its own forward and backward (untimed), the ranks
+  lined up by a barrier before the timed step; medians over rounds that rotate through the
+  contenders, averaged over ranks. The whole training step (forward, backward, optimizer)
+  is timed alongside.
+- Peak live tensor bytes per rank of a whole training step (`LiveTensors`, op by op, a
+  DTensor counted by its local shard: see `LocalTensors`), parameters, gradients and
+  optimizer state included: the largest rank's peak over two steps after a first one that
+  built the optimizer state (see `_peak_bytes`).
+- `--fake`: the same optimizer steps on torch's fake process group (rank 0 of N, one
+  process, one thread): collectives cost nothing and no rank shares a core, so what remains
+  is one rank's own CPU work. The fake group's collectives return uninitialized buffers, so
+  the numbers the math runs on are garbage; only the time means anything.
+- `--state-bytes`: optimizer-state bytes per rank of the partition on an N-rank FSDP GPT,
+  beside one process's torch.optim.Muon + AdamW state divided by N. Where `fs.optim.muon`
+  does not exist (older funcshard), `sgd(lr, momentum=0.95)` stands in for it: the same state
+  size, one momentum buffer per element; the stand-in is measured on the current code too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import multiprocessing as mp
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import optree
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+import funcshard as fs
+from benchmarks.common import FSDP2, FUNCSHARD, lm_loss, mib, ms, ratio
+from funcshard import testing
+from funcshard.testing.memory import LiveTensors
+from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
+
+CFG = GPTConfig(vocab_size=8192, block_size=64, n_layer=4, n_head=6, d_model=384)
+QUICK_CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32)
+MUON_LR, ADAMW_LR = 0.02, 3e-3
+CONTENDERS = (FUNCSHARD, FSDP2)
+
+
+def label(fqn: str, p: torch.Tensor) -> str:
+    """Muon for the blocks' matrices, AdamW for the embeddings and every vector."""
+    return "muon" if p.ndim == 2 and not fqn.startswith(("wte", "wpe")) else "adamw"
+
+
+@dataclass(frozen=True)
+class MuonSpec:
+    """One comparison: the model, the batch per rank, the rounds."""
+
+    cfg: GPTConfig = CFG
+    batch: int = 2  # sequences per rank
+    rounds: int = 8
+    warmup: int = 2
+    memory_steps: int = 2  # steps inside the memory count, after a first one outside it
+
+    def describe(self, where: str) -> str:
+        c = self.cfg
+        return (
+            f"GPT d={c.d_model}, {c.n_layer} blocks, vocab {c.vocab_size} "
+            f"({params(self.cfg)} params), {where}, batch {self.batch}x"
+            f"{c.block_size} per rank, median of {self.rounds} interleaved rounds"
+        )
+
+
+def params(cfg: GPTConfig) -> str:
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(cfg).parameters())
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+class Contender:
+    """A training step split in two: `grad` (forward and backward) and `step` (the
+    optimizer); `held` is what lives between steps (parameters, optimizer state)."""
+
+    def grad(self) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def held(self) -> object:
+        raise NotImplementedError
+
+
+class Funcshard(Contender):
+    """funcshard: the GPT sharded per block and root, muon + adamw in a partition."""
+
+    def __init__(self, model: GPT, mesh: fs.Mesh, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.model = model
+        self.state = fs.shard(model, fs.plan(model, fs.policy.module_classes({Block})), mesh)
+        groups = {"muon": fs.optim.muon(MUON_LR), "adamw": fs.optim.adamw(ADAMW_LR)}
+        self.opt = fs.optim.partition(groups, label)
+        self.opt_state = self.opt.init(self.state)
+        self.x, self.y = x, y
+        self.grads = None
+        self._grad = fs.value_and_grad(self._loss)
+
+    def _loss(self, state: fs.ShardedState) -> torch.Tensor:
+        return lm_loss(fs.call(self.model, state, self.x), self.y)
+
+    def grad(self) -> None:
+        _, self.grads = self._grad(self.state)
+
+    def step(self) -> None:
+        grads, self.grads = self.grads, None
+        self.state, self.opt_state = self.opt.step(grads, self.opt_state, self.state)
+
+    def held(self) -> object:
+        return (self.state, self.opt_state)
+
+
+class Fsdp2(Contender):
+    """FSDP2: fully_shard per block and root; torch.optim.Muon on the matrices (DTensors),
+    torch.optim.AdamW on the rest."""
+
+    def __init__(self, model: GPT, mesh: object, x: torch.Tensor, y: torch.Tensor) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        named = dict(model.named_parameters())
+        muon = [p for f, p in named.items() if label(f, p) == "muon"]
+        rest = [p for f, p in named.items() if label(f, p) != "muon"]
+        self.muon = torch.optim.Muon(muon, lr=MUON_LR)
+        self.adamw = torch.optim.AdamW(rest, lr=ADAMW_LR)
+        self.x, self.y = x, y
+
+    def grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        lm_loss(self.model(self.x), self.y).backward()
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    def held(self) -> object:
+        held = list(self.model.parameters())
+        for opt in (self.muon, self.adamw):
+            held += [t for s in opt.state.values() for t in s.values()]
+        return held
+
+
+class LocalTensors(LiveTensors):
+    """LiveTensors that counts a DTensor (any traceable wrapper subclass) by the tensors
+    it wraps. A dispatch mode sees FSDP2's optimizer ops at the DTensor level, and a
+    DTensor's `untyped_storage()` is a storage object of the full (global) size without
+    data, which LiveTensors would count on top of the local shard: every DTensor an op
+    returned (each in-place update of a parameter or a moment included) would count as
+    a whole unsharded tensor."""
+
+    def _track(self, tensor: torch.Tensor, watched: bool) -> None:
+        if is_traceable_wrapper_subclass(tensor):
+            for name in tensor.__tensor_flatten__()[0]:
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):
+                    self._track(inner, watched)
+            return
+        super()._track(tensor, watched)
+
+
+def _builders(spec: MuonSpec, world: int, x: torch.Tensor, y: torch.Tensor, model: GPT):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return {
+        FUNCSHARD: lambda: Funcshard(copy.deepcopy(model), fs.Mesh(shard=world), x, y),
+        FSDP2: lambda: Fsdp2(copy.deepcopy(model), init_device_mesh("cpu", (world,)), x, y),
+    }
+
+
+def _peak_bytes(build, steps: int) -> int:
+    """Peak live tensor bytes of `steps` whole training steps, after one that built the
+    optimizer state. The count starts before that first step, with the parameters (and
+    any optimizer state) adopted, so that what the first step makes and later steps reuse
+    is counted too: FSDP2's unsharded parameters live in storages it resizes to zero
+    after use and back before the next, which a count started later would never see."""
+    contender = build()
+    with LocalTensors() as meter:
+        meter.adopt(contender.held())
+        contender.grad()
+        contender.step()
+        meter.peak = meter.live  # the first step (lazy initialization, state) not counted
+        for _ in range(steps):
+            contender.grad()
+            contender.step()
+    return meter.peak
+
+
+def _timed(
+    contenders: dict[str, Contender], warmup: int, rounds: int, barrier
+) -> dict[str, dict[str, list[float]]]:
+    """Optimizer-step and whole-step times of each contender, rounds in a seeded rotation."""
+    for c in contenders.values():
+        for _ in range(warmup):
+            c.grad()
+            c.step()
+    order = random.Random(0)
+    names = list(contenders)
+    times = {n: {"step": [], "train": []} for n in names}
+    for _ in range(rounds):
+        order.shuffle(names)
+        for n in names:
+            barrier()
+            start = time.perf_counter()
+            contenders[n].grad()
+            barrier()
+            middle = time.perf_counter()
+            contenders[n].step()
+            end = time.perf_counter()
+            times[n]["step"].append(end - middle)
+            times[n]["train"].append(end - start)
+    return times
+
+
+def _rank(spec: MuonSpec, rank: int) -> dict:
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(spec.cfg)
+    x, y = random_tokens(spec.cfg, spec.batch, seed=rank)
+    builders = _builders(spec, world, x, y, model)
+    peaks = {n: _peak_bytes(b, spec.memory_steps) for n, b in builders.items()}
+    contenders = {n: b() for n, b in builders.items()}
+    times = _timed(contenders, spec.warmup, spec.rounds, dist.barrier)
+    return {"peaks": peaks, "times": times}
+
+
+@dataclass(frozen=True)
+class MuonResult:
+    """One world size on gloo: times averaged over ranks, the largest rank's peak."""
+
+    world_size: int
+    step: dict[str, float]  # seconds, optimizer step
+    train: dict[str, float]  # seconds, forward + backward + optimizer
+    peaks: dict[str, int]
+
+
+def measure(spec: MuonSpec, world_size: int) -> MuonResult:
+    results = testing.run(functools.partial(_rank, spec), world_size=world_size, timeout=3600)
+
+    def median(n: str, what: str) -> float:
+        return statistics.mean(statistics.median(r["times"][n][what]) for r in results)
+
+    return MuonResult(
+        world_size,
+        step={n: median(n, "step") for n in CONTENDERS},
+        train={n: median(n, "train") for n in CONTENDERS},
+        peaks={n: max(r["peaks"][n] for r in results) for n in CONTENDERS},
+    )
+
+
+def table(results: list[MuonResult], fmt: str = "simple") -> str:
+    rows = [
+        [
+            r.world_size,
+            ms(r.step[FUNCSHARD]),
+            ms(r.step[FSDP2]),
+            ratio(r.step[FUNCSHARD], r.step[FSDP2]),
+            ms(r.train[FUNCSHARD]),
+            ms(r.train[FSDP2]),
+            ratio(r.train[FUNCSHARD], r.train[FSDP2]),
+            mib(r.peaks[FUNCSHARD]),
+            mib(r.peaks[FSDP2]),
+            ratio(r.peaks[FUNCSHARD], r.peaks[FSDP2]),
+        ]
+        for r in results
+    ]
+    headers = [
+        "ranks",
+        "opt step ms: funcshard",
+        "FSDP2",
+        "ratio",
+        "train step ms: funcshard",
+        "FSDP2",
+        "ratio",
+        "peak MiB/rank: funcshard",
+        "FSDP2",
+        "ratio",
+    ]
+    return tabulate(rows, headers, fmt)
+
+
+def _fake(spec: MuonSpec, world_size: int) -> dict[str, float]:
+    """Median optimizer-step seconds of rank 0 on a fake group of `world_size`."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = GPT(spec.cfg)
+        x, y = random_tokens(spec.cfg, spec.batch, seed=0)
+        contenders = {n: b() for n, b in _builders(spec, world_size, x, y, model).items()}
+        times = _timed(contenders, spec.warmup, spec.rounds, lambda: None)
+        return {n: statistics.median(t["step"]) for n, t in times.items()}
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_fake(spec: MuonSpec, world_size: int) -> dict[str, float]:
+    """`_fake` in a fresh spawned process (the fake group is the process's default group)."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_fake, (spec, world_size))
+
+
+def fake_table(times: dict[int, dict[str, float]], fmt: str = "simple") -> str:
+    rows = [
+        [w, ms(t[FUNCSHARD]), ms(t[FSDP2]), ratio(t[FUNCSHARD], t[FSDP2])] for w, t in times.items()
+    ]
+    headers = ["fake ranks", "opt step ms: funcshard", "FSDP2", "ratio"]
+    return tabulate(rows, headers, fmt)
+
+
+# -- optimizer-state bytes ---------------------------------------------------------------
+
+
+def _nbytes(tree: object) -> int:
+    leaves = optree.tree_leaves(tree, none_is_leaf=False)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _partitions() -> dict[str, object]:
+    adamw = fs.optim.adamw(ADAMW_LR)
+    out = {}
+    if hasattr(fs.optim, "muon"):
+        out["muon + adamw"] = {"muon": fs.optim.muon(MUON_LR), "adamw": adamw}
+    out["sgd(momentum=0.95) + adamw (stand-in)"] = {
+        "muon": fs.optim.sgd(MUON_LR, momentum=0.95),
+        "adamw": adamw,
+    }
+    return out
+
+
+def _state_rank(cfg: GPTConfig, rank: int) -> dict[str, int]:
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    state = fs.shard(model, fs.plan(model, fs.policy.module_classes({Block})), fs.Mesh(shard=world))
+    return {
+        name: _nbytes(fs.optim.partition(groups, label).init(state))
+        for name, groups in _partitions().items()
+    }
+
+
+def _torch_state_bytes(cfg: GPTConfig) -> int:
+    """torch.optim.Muon + AdamW's state after one step, one process."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    named = dict(model.named_parameters())
+    muon = torch.optim.Muon([p for f, p in named.items() if label(f, p) == "muon"], lr=MUON_LR)
+    adamw = torch.optim.AdamW([p for f, p in named.items() if label(f, p) != "muon"])
+    x, y = random_tokens(cfg, 2, seed=0)
+    lm_loss(model(x), y).backward()
+    muon.step()
+    adamw.step()
+    states = [*muon.state.values(), *adamw.state.values()]
+    return _nbytes([list(s.values()) for s in states])
+
+
+def state_bytes(cfg: GPTConfig, world_size: int) -> str:
+    results = testing.run(functools.partial(_state_rank, cfg), world_size=world_size)
+    reference = _torch_state_bytes(cfg) / world_size
+    rows = [[f"torch.optim, one process / {world_size}", mib(int(reference)), "1.00x", ""]]
+    for name in results[0]:
+        per_rank = [r[name] for r in results]
+        rows.append(
+            [
+                f"funcshard {name}",
+                mib(max(per_rank)),
+                ratio(max(per_rank), reference),
+                " ".join(mib(b) for b in per_rank),
+            ]
+        )
+    headers = ["optimizer state", "MiB/rank (largest)", "vs torch.optim / N", "per rank"]
+    return tabulate(rows, headers, "github")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=MuonSpec.rounds)
+    parser.add_argument("--fake", action="store_true", help="also on the fake group")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks, not figures")
+    parser.add_argument("--state-bytes", action="store_true", help="optimizer state only")
+    parser.add_argument("--world-size", type=int, default=4, help="for --state-bytes")
+    args = parser.parse_args(argv)
+    spec = MuonSpec(rounds=args.rounds)
+    if args.quick:
+        spec = MuonSpec(cfg=QUICK_CFG, rounds=min(args.rounds, 2), warmup=1, memory_steps=1)
+    if args.state_bytes:
+        print(f"Optimizer state, GPT {params(spec.cfg)} params, FSDP on {args.world_size} ranks")
+        print(state_bytes(spec.cfg, args.world_size))
+        return
+    results = []
+    for w in args.world_sizes:
+        results.append(measure(spec, w))
+        print(f"  {w} ranks done", flush=True)
+    sizes = " and ".join(map(str, args.world_sizes))
+    print(spec.describe(f"{sizes} gloo ranks"))
+    print(table(results, "github"))
+    if args.fake:
+        fake = {w: measure_fake(spec, w) for w in args.world_sizes}
+        print(spec.describe(f"fake group of {sizes} (rank 0, one thread)"))
+        print(fake_table(fake, "github"))
+
+
+if __name__ == "__main__":
+    main()
