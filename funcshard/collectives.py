@@ -627,11 +627,12 @@ def all_to_all_v(
 ) -> Pending:
     """Uneven all-to-all: this rank sends `tensor`'s consecutive pieces of `send[j]`
     elements to rank j and gets `receive[r]` elements from rank r, concatenated in rank
-    order. Sizes differ by rank, so the cross-rank check compares `total`, the elements the
-    whole group exchanges, which every rank derives from one shared plan."""
+    order. Sizes differ by rank, so it is recorded and compared across ranks as an even
+    all-to-all of the group's mean buffer, `total // size`, where `total` (the elements the
+    whole group sends) is what every rank derives from one shared plan."""
     if alone(group):
         return Pending(tensor, done=True)
-    _before("all_to_all", group, tensor, what, agreed=total)
+    _before("all_to_all", group, tensor, what, agreed=total // group.size())
     if _eager(tensor):
         out = tensor.new_empty(sum(receive))
         with _below_autograd():
@@ -844,7 +845,8 @@ def _before(
     if progress.Here.store is None:
         _publish_progress()
     if _recording:
-        entry = Record(op, tuple(dist.get_process_group_ranks(group)), tensor.numel(), tensor.dtype)
+        numel = tensor.numel() if agreed is None else agreed
+        entry = Record(op, tuple(dist.get_process_group_ranks(group)), numel, tensor.dtype)
         for log in _recording:
             log.append(entry)
     if group.group_name in _checked_groups:

@@ -56,13 +56,9 @@ def whole_params_lars() -> fs.optim.Optimizer:
 
 def test_the_per_leaf_lars_through_whole_params_keeps_parity_and_checkpoints():
     """The same trust ratio per leaf, each leaf now one whole parameter on its owner rank;
-    its Owned state saved at 2 ranks and loaded at 2 again. (Not `collectives`: the law
-    compares each all-to-all's size across ranks, which whole_params' uneven all-to-all
-    differs in by design.)"""
-    laws = ("parity", "determinism", "checkpoint", "purity")
-    report = fs.testing.check(
-        mlp, batch, optimizer=whole_params_lars, examples=2, laws=laws, **SMALL
-    )
+    its Owned state saved at 2 ranks and loaded at 2 again; its uneven all-to-alls compared
+    across ranks as the group's mean buffer."""
+    report = fs.testing.check(mlp, batch, optimizer=whole_params_lars, examples=2, **SMALL)
     assert report.ok, report.table()
     assert "fsdp 2" in {c.mesh_name for c in report.configs}
 
