@@ -45,7 +45,8 @@ import torch
 from torch import Tensor
 
 from funcshard import finite
-from funcshard.groups import GroupView, Part, group_of, group_parts, scatter
+from funcshard.groups import GroupView as GroupView
+from funcshard.groups import Part, group_of, group_parts, scatter
 from funcshard.layout import frozen_ranges
 from funcshard.leaves import leaves as leaves
 from funcshard.leaves import with_leaves
@@ -54,6 +55,7 @@ from funcshard.mixed_reduction import (
     MixedParameterReductionWarning as MixedParameterReductionWarning,
 )
 from funcshard.mixed_reduction import warning_on_mixed_reductions
+from funcshard.owned import Owned as Owned
 from funcshard.segments import Piece as Piece
 from funcshard.segments import Segments as Segments
 from funcshard.segments import Where, segments
