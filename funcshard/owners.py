@@ -27,6 +27,7 @@ every rank that holds them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,6 +126,25 @@ def plan(
     return Plan(members, tuple(Whole(f, leaf) for leaf, f in wholes), tuple(numels), size, rank)
 
 
+@functools.lru_cache(maxsize=64)
+def chunks(plan: Plan, numel: int) -> tuple[Plan, ...]:
+    """`plan` cut into consecutive plans of at most `numel` members' elements each (a larger
+    parameter alone), whole leaves in the first: exchanged and computed one after another,
+    so a rank holds one chunk's whole parameters at a time. The same cut on every rank."""
+    cut: list[list[Member]] = [[]]
+    size = 0
+    for m in plan.members:
+        if cut[-1] and size + m.numel > numel:
+            cut.append([])
+            size = 0
+        cut[-1].append(m)
+        size += m.numel
+    return tuple(
+        dataclasses.replace(plan, members=tuple(part), wholes=plan.wholes if i == 0 else ())
+        for i, part in enumerate(cut)
+    )
+
+
 def _balanced(numels: list[int], size: int) -> list[int]:
     """An owner per item: largest first, each to the least loaded rank (lowest on a tie)."""
     load = [0] * size
@@ -159,13 +179,18 @@ def to_owners(plan: Plan, kinds: Sequence[Sequence[Tensor | None]], group) -> li
 
 
 def from_owners(
-    plan: Plan, updates: dict[str, Tensor], like: Sequence[Tensor | None], group
+    plan: Plan,
+    updates: dict[str, Tensor],
+    like: Sequence[Tensor | None],
+    group,
+    out: list[Tensor | None] | None = None,
 ) -> list[Tensor | None]:
     """Leaves lined up with `like` (this rank's gradient leaves) holding the owners'
     `updates` (this rank's owned parameters' whole updates) at this rank's pieces; zero
-    where no trained parameter lies, None where `like` is None.
+    where no trained parameter lies, None where `like` is None. Written into `out` when
+    given (the leaves an earlier chunk's call returned).
     Communicates: one uneven all-to-all per dtype over the shard group."""
-    out: list[Tensor | None] = [None] * len(like)
+    out = [None] * len(like) if out is None else out
     for whole in plan.wholes:
         if like[whole.leaf] is not None:
             out[whole.leaf] = updates[whole.fqn].to(like[whole.leaf].dtype)

@@ -66,7 +66,7 @@ def _optimizers() -> dict[str, fs.optim.Optimizer]:
     adamw_well_posed = fs.optim.adamw(3e-3, eps=1e-3, weight_decay_mask=_1d)
     groups = {"muon": fs.optim.muon(0.02), "adamw": fs.optim.adamw(3e-3)}
     return {
-        "lars": fs.optim.whole_params(lars()),
+        "lars": fs.optim.whole_params(lars(), chunk_numel=3000),  # several chunks a step
         "muon_fp32": fs.optim.partition(
             {"muon": fs.optim.whole_params(muon_fp32()), "adamw": fs.optim.sgd(0.0)}, _label
         ),
