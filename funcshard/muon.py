@@ -5,7 +5,7 @@ lerped toward the gradient, Nesterov's look-ahead lerps the gradient toward the 
 orthogonalization runs in bfloat16 on the wide orientation of the matrix after scaling it
 to unit Frobenius norm, weight decay is decoupled, and the step is scaled by the matrix's
 shape (`adjust_lr_fn`). It needs each matrix whole, so `muon` is `whole_params` over a
-one-process transform: each matrix is orthogonalized once per shard group, on its owner.
+one-process transform: each matrix is orthogonalized once in the mesh, on its owner.
 """
 
 from __future__ import annotations

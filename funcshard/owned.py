@@ -2,12 +2,12 @@
 
 [Note: owned state]
 `fs.optim.whole_params` runs a one-process transform on whole parameters, each on one owner
-rank of its shard group (see [Note: whole parameters on their owners] in
-funcshard/whole_params.py). What that transform keeps for a parameter lives on the owner
-only, so its state is `Owned(states={fqn: state of that parameter})` holding this rank's
-keys alone: the ranks of a shard group hold disjoint key sets whose union is every trained
-parameter, and replicas of a shard group (HSDP, DDP) hold the same keys with the same
-values. A one-process params dict owns every key.
+rank of the mesh (see [Note: whole parameters on their owners] in funcshard/owners.py). What
+that transform keeps for a parameter lives on the owner only, so its state is
+`Owned(states={fqn: state of that parameter})` holding this rank's keys alone: the ranks of
+a mesh hold disjoint key sets whose union is every trained parameter (a replicated
+parameter, computed on every rank, is every rank's key). A one-process params dict owns
+every key.
 
 Nothing about a key's state depends on which rank holds it, so a checkpoint saves each key
 from the ranks that hold it (replicas' copies are one copy) and a load hands each key to

@@ -3,7 +3,7 @@
 A transform written as for one process (`update({fqn: grad}, state, {fqn: param})` over
 whole tensors: Muon's orthogonalization, LARS's trust ratio, Shampoo's preconditioners) is
 wrong on flat shards, whose leaves mix parameters and split them across ranks. Wrapped in
-`whole_params`, each trained parameter is made whole on one owner rank of its shard group,
+`whole_params`, each trained parameter is made whole on one owner rank of the mesh,
 the transform runs there, and the update goes back to the shards (see [Note: whole
 parameters on their owners] in funcshard/owners.py); its state is `Owned`, held by the
 owner only (see [Note: owned state] in funcshard/owned.py).
@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
-from funcshard import owners
+from funcshard import collectives, owners
 from funcshard.groups import GroupView
 from funcshard.leaves import leaves, with_leaves
 from funcshard.optim import Optimizer
@@ -33,13 +33,13 @@ def whole_params(transform: Optimizer, chunk_numel: int = 1 << 22) -> Optimizer:
     """An optimizer on any params (a ShardedState of FSDP, HSDP or DDP; a dict) from
     `transform`, an optimizer written for one process over `{fqn: whole tensor}` dicts.
 
-    Each trained parameter is computed once per shard group, on its owner rank, where the
+    Each trained parameter is computed once in the whole mesh, on its owner rank, where the
     transform's state for it lives (`Owned`). The transform sees one parameter at a time:
     it must not reduce across parameters (a global norm, a clip by it); do that outside,
     e.g. `chain(clip_by_global_norm(1.0), whole_params(t))`. Inside `partition`, it sees
     its group's parameters only. Communicates per update: an uneven all-to-all of gradient
-    and parameter pieces to the owners and one of the updates back, per dtype, over the
-    shard axis (nothing on DDP); `init` sends the parameters to their owners once.
+    and parameter pieces to the owners and one of the updates back to every replica, per
+    dtype and chunk, over the mesh; `init` sends the parameters to their owners once.
 
     `chunk_numel`: the parameters are exchanged and computed in consecutive chunks of about
     this many elements (the whole group's; a larger parameter alone), so a rank holds one
@@ -117,14 +117,13 @@ def _check_owned(state: Any, plan: owners.Plan) -> None:
 
 def _plan(params: Any, live: tuple[bool, ...] | None) -> tuple[owners.Plan, Any]:
     """The owners of `params`' trained parameters (those whose gradient leaf is present,
-    given `live`; else those not frozen) and the shard group they are exchanged over."""
+    given `live`; else those not frozen) and the mesh group they are exchanged over."""
     if isinstance(params, GroupView):
-        mesh = params.layout.mesh
-        return _group_plan(params.layout, params.parts, mesh.shard_rank, live), mesh.shard_group
+        group, rank = _mesh_group(params.layout.mesh)
+        return _group_plan(params.layout, params.parts, rank, live), group
     if isinstance(params, ShardedState | ShardedGrads):
-        layout = params.layout
-        mesh = layout.mesh
-        return _sharded_plan(layout, mesh.shard_rank, live), mesh.shard_group
+        group, rank = _mesh_group(params.layout.mesh)
+        return _sharded_plan(params.layout, rank, live), group
     if isinstance(params, dict):
         names = tuple(params)
         on = live if live is not None else (True,) * len(names)
@@ -135,6 +134,20 @@ def _plan(params: Any, live: tuple[bool, ...] | None) -> tuple[owners.Plan, Any]
         f"funcshard.optim.whole_params: params must be a ShardedState or a dict of tensors, "
         f"got {type(params).__name__}."
     )
+
+
+def _mesh_group(mesh: Any) -> tuple[Any, int]:
+    """The mesh's group and this rank's index in it, `replica * shard + shard rank` (the
+    numbering owners.Plan uses; a mesh's group is built replica-major)."""
+    rank = mesh.replicate_rank * mesh.shard_size + mesh.shard_rank
+    if mesh.size > 1 and collectives.group_rank(mesh.group) != rank:
+        raise RuntimeError(
+            f"funcshard.optim.whole_params: rank {collectives.global_rank()} is rank "
+            f"{collectives.group_rank(mesh.group)} of its mesh's group but replica "
+            f"{mesh.replicate_rank}, shard {mesh.shard_rank} of the mesh; build the mesh with "
+            f"funcshard.Mesh (replica-major ranks)."
+        )
+    return mesh.group, rank
 
 
 @functools.lru_cache(maxsize=64)
@@ -150,7 +163,7 @@ def _sharded_plan(layout: Any, rank: int, live: tuple[bool, ...] | None) -> owne
         for j, f in enumerate(layout.replicated)
         if (f not in layout.replicated_frozen if live is None else live[n + j])
     ]
-    return owners.plan(flats, wholes, layout.mesh.shard_size, rank)
+    return owners.plan(flats, wholes, layout.mesh.size, rank, layout.mesh.shard_size)
 
 
 @functools.lru_cache(maxsize=64)
@@ -167,4 +180,4 @@ def _group_plan(layout: Any, parts: tuple, rank: int, live: tuple[bool, ...] | N
         else:
             packed = part.fqns if part.packed else None
             flats.append((j, layout.flats[part.source], part.fqns, packed))
-    return owners.plan(flats, wholes, layout.mesh.shard_size, rank)
+    return owners.plan(flats, wholes, layout.mesh.size, rank, layout.mesh.shard_size)
