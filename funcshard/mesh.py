@@ -26,7 +26,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from funcshard import collectives, progress, waits
+from funcshard import collectives, flight_recorder, progress, waits
 
 AXES = ("replicate", "shard")
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # NCCL's own default; gloo's is 30 minutes
@@ -149,6 +149,7 @@ class Mesh:
                 f"FSDP or Mesh(replicate={world}) for DDP."
             )
         device_type = self.device_type or _default_device_type()
+        flight_recorder.switch_on(str(dist.get_backend()))  # before this mesh's groups
         object.__setattr__(self, "device_type", device_type)
         object.__setattr__(self, "ranks", tuple(range(world)))
         object.__setattr__(
@@ -400,6 +401,7 @@ def _init_from_env(backend: str, timeout: timedelta) -> None:
     dead rank (gloo: "connection refused", or a hang on a reused port). A prefix per
     TORCHELASTIC_RESTART_COUNT keeps each round's rendezvous apart.
     """
+    flight_recorder.switch_on(backend)  # see [Note: a timeout on NCCL]
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"funcshard/attempt-{attempt}", store)

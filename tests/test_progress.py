@@ -149,3 +149,20 @@ def test_a_rank_that_catches_a_step_error_and_carries_on_raises_instead_of_abort
     assert "funcshard.call raised ValueError: bad batch on rank 1" in refused
     (timed_out,) = first["errors"]
     assert "rank 1: last collective" in timed_out and "then it left that step" in timed_out
+
+
+def test_nccl_meshes_switch_torchs_flight_recorder_on_unless_the_user_set_it():
+    """On NCCL the watchdog aborts without a Python exception: torch's flight recorder is
+    what reports the hang ([Note: a timeout on NCCL]); gloo needs nothing."""
+    from funcshard import flight_recorder
+
+    env: dict[str, str] = {}
+    assert flight_recorder.switch_on("gloo", env) == {} and env == {}
+    assert flight_recorder.switch_on("nccl", env) == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }
+    mine = {"TORCH_FR_BUFFER_SIZE": "50", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+    assert flight_recorder.switch_on("cpu:gloo,cuda:nccl", mine) == {}
+    assert mine == {"TORCH_FR_BUFFER_SIZE": "50", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
