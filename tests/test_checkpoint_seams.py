@@ -212,11 +212,24 @@ def _side_by_side(pools, first, second, timeout: float = 100.0) -> list:
         return [f.result() for f in futures]
 
 
+def _in_step_with_the_other_job(path: str, job: int, step: int, rank: int) -> None:
+    """Rank 0 of each job waits until the other job reached the same save too, so the two
+    jobs' saves of each step overlap (rank 1 waits in the save's own barrier)."""
+    if rank != 0:
+        return
+    open(f"{path}-job{job}-step{step}", "w").close()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(f"{path}-job{1 - job}-step{step}") and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def _job_saves(path: str, job: int, rank: int) -> dict:
-    """Save 4 times into the shared `path`; then load each save that returned."""
+    """Save 4 times into the shared `path`, each save beside the other job's; then load
+    each save that returned."""
     state = _state(fs.Mesh(shard=2), seed=job)
     returned, conflicts = {}, []
     for step in range(4):
+        _in_step_with_the_other_job(path, job, step, rank)
         values = state.replace(shards=tuple(s + step for s in state.shards))
         try:
             returned[step] = checkpoint.save(path, values, step=step, extra={"job": job})
