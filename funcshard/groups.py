@@ -62,6 +62,11 @@ def group_of(container: Any, members: frozenset[str]) -> Any:
     if isinstance(container, Mapping):
         ensure_live(container, "partition")
         return {f: v for f, v in container.items() if f in members}
+    if isinstance(container, GroupView):
+        raise TypeError(
+            "funcshard.optim.partition: a partition inside a partition's group is not "
+            "supported; give the outer partition one label per inner group instead."
+        )
     ensure_live(container, "partition")
     layout = container.layout
     parts = group_parts(layout, members)

@@ -248,3 +248,19 @@ def test_muon_adamw_state_saved_at_two_ranks_loads_at_three_and_one_bitwise(tmp_
             assert torch.equal(value, via_three[key]), key
         else:
             assert value == via_three[key], key
+
+
+def _nested_partition(rank: int) -> str:
+    model = GPT(_config())
+    inner = fs.optim.partition({"a": fs.optim.sgd(0.1)}, lambda f, p: "a")
+    outer = fs.optim.partition({"muon": inner, "adamw": fs.optim.sgd(0.1)}, _label)
+    try:
+        outer.init(_params("fsdp", model))
+    except TypeError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_partition_inside_a_partition_group_is_refused_naming_the_fix():
+    for error in testing.run(_nested_partition, world_size=2):
+        assert "one label per inner group" in error
