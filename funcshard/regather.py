@@ -69,6 +69,9 @@ class Regather:
         self.latest: tuple[int, tuple[Tensor, ...]] | None = None  # the unit that returned
         # last and its gathered buffers, until another unit starts: see `forward_done`
         self.started: set[int] = set()  # units backward has asked for
+        self.needed: set[int] = set()  # units backward will ask for: see `_next`
+        self.pack_hook = 0  # the id of the pack hook `hooks` installed (no reference: the
+        # bookkeeping must not hold itself in a cycle, see `weak`)
         self.weak = weakref.ref(self)  # what the graph holds: it must not keep the run's
         # buffers alive
 
@@ -111,9 +114,14 @@ class Regather:
         for tensor in fulls:
             self.owner_of.pop(id(tensor), None)
 
-    def entered(self) -> None:
-        """A unit's module is about to run: the one that returned before it is released."""
+    def entered(self, unit: int) -> None:
+        """A unit's module is about to run: the one that returned before it is released. Run
+        under another saved-tensor hook (activation checkpointing's), the unit's saves are
+        not seen by `pack`: it counts as needed in backward."""
         self.latest = None
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or id(top[0]) != self.pack_hook:
+            self.needed.add(unit)
 
     def forward_done(self) -> None:
         """The call returned: the unit that ran last keeps its gathered buffers for backward,
@@ -133,6 +141,7 @@ class Regather:
             # detached: a saved output that held its own grad_fn would close a cycle through
             # C++ (node -> saved tensor -> node) that keeps a graph never backpropagated alive
             return tensor if tensor.is_leaf else tensor.detach()
+        self.needed.add(owner[0])
         return _Handle(owner[0], owner[1], tensor)
 
     def unpack(self, packed: Any) -> Tensor:
@@ -175,28 +184,38 @@ class Regather:
 
     def _next(self, unit: int) -> int | None:
         """The unit to regather next: the explicit order's, or the one that ran just before
-        `unit` in forward, if backward still needs it."""
+        `unit` in forward, if backward still needs it. Units autograd saved none of the
+        parameters of are passed over (a first layer whose input needs no gradient: its
+        weight's gradient reads only its input), else their regather would never be
+        waited for."""
         run = self.run
-        if run.backward_next is not None:
-            earlier = run.backward_next.get(unit)
-        elif unit in run.order and run.order.index(unit) > 0:
-            earlier = run.order[run.order.index(unit) - 1]
-        else:
-            earlier = None
-        if earlier is None or earlier in run.binding.whole_call:
+        earlier, seen = self._before(unit), {unit}
+        while earlier is not None and earlier not in self.needed and earlier not in seen:
+            seen.add(earlier)
+            earlier = self._before(earlier)
+        if earlier is None or earlier not in self.needed or earlier in run.binding.whole_call:
             return None  # whole-call units stay gathered through backward
         if earlier in self.finished or earlier in self.full or earlier in self.started:
             return None  # done, here, or asked for before (a frozen unit dropped since)
         return earlier
 
+    def _before(self, unit: int) -> int | None:
+        """The unit backward reaches after `unit`: the explicit order's, or the one that ran
+        just before it in forward."""
+        run = self.run
+        if run.backward_next is not None:
+            return run.backward_next.get(unit)
+        if unit in run.order and run.order.index(unit) > 0:
+            return run.order[run.order.index(unit) - 1]
+        return None
+
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The saved-tensor hooks of the call: chaos points in them only under chaos (they
         run for every tensor autograd saves, two dozen per GPT block)."""
-        if chaos.active():
-            return torch.autograd.graph.saved_tensors_hooks(
-                chaos.at_point(self.pack), chaos.at_point(self.unpack)
-            )
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        pack = chaos.at_point(self.pack) if chaos.active() else self.pack
+        unpack = chaos.at_point(self.unpack) if chaos.active() else self.unpack
+        self.pack_hook = id(pack)
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def _gather_node_ran(regather: weakref.ref[Regather], unit: int) -> None:

@@ -246,7 +246,7 @@ class _Run:
     def enter(self, unit: int) -> None:
         """A unit's module is about to run: put its parameters in place, prefetch the next."""
         if self.regather is not None:  # (first: the unit before is released before this
-            self.regather.entered()  # one is gathered, if it was not prefetched)
+            self.regather.entered(unit)  # one is gathered, if it was not prefetched)
         params = self.gathered(unit)
         self.order.append(unit)
         nxt = self.forward_next.get(unit) if self.prefetch else None

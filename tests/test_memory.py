@@ -190,3 +190,26 @@ def test_a_finished_step_frees_its_gathered_buffers_without_the_garbage_collecto
     step's gathered root lived on until a gc pass, raising the next step's peak."""
     for left in testing.run(_runs_left, world_size=2):
         assert left == [0, 0], left
+
+
+def _first_layer_unwaited(rank: int) -> list[list[str]]:
+    from funcshard.testing import probes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    state = fs.shard(model, fs.plan(model, policy=fs.policy.size(8)), fs.Mesh(shard=2))
+    x = torch.randn(3, 4)
+    unwaited = []
+    for _ in range(2):
+        with probes.unwaited() as issued:
+            fs.value_and_grad(lambda s: fs.call(model, s, x).square().mean())(state)
+        unwaited.append([i.what for i in issued if not i.waited])
+    return unwaited
+
+
+def test_backward_regathers_no_unit_whose_parameters_it_never_reads():
+    """A first layer whose input needs no gradient: its weight's gradient reads only the
+    input, so autograd saves none of its parameters, and backward must not prefetch it
+    (that regather was issued every step and never waited for)."""
+    for ranks in testing.run(_first_layer_unwaited, world_size=2):
+        assert ranks == [[], []], ranks
