@@ -2,7 +2,8 @@
 needs per rank before launching it, check the sharding laws on your own model, try a
 sharded training run, check a checkpoint.
 
-  funcshard plan MODULE:FACTORY --world-size N [--mesh RxS] [--mp bf16] [--tokens BxT]
+  funcshard plan MODULE:FACTORY|CONFIG.json --world-size N [--mesh RxS] [--mp bf16]
+                 [--tokens BxT] [--device cuda] [--checkpointing]
   funcshard check MODULE:FACTORY --batch MODULE:FACTORY [--loss MODULE:FN] [--quick]
   funcshard demo [--nproc 2] [--steps 300] [--mode fsdp|hsdp|replicate]
   funcshard checkpoint verify PATH
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +27,7 @@ from torch import nn
 
 import funcshard as fs
 from funcshard import check_command, checkpoint
+from funcshard.attention_kernels import KERNELS
 from funcshard.demo import add_arguments as add_demo_arguments
 from funcshard.demo import from_arguments as demo_config
 from funcshard.demo import run as run_demo
@@ -33,14 +38,18 @@ from funcshard.policy import module_classes
 from funcshard.precision import MixedPrecision
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+REDUCE = {**DTYPES, "fp32": torch.float32}
 PLAN_EXAMPLES = """\
 examples:
   funcshard plan funcshard.testing.models:GPT --world-size 8
   funcshard plan funcshard.testing.models:llama_7b --world-size 1024 --mp bf16
   funcshard plan mypkg.models:build --world-size 64 --mesh 8x8 --tokens 8x1024
+  funcshard plan examples/llama-3.1-8b/config.json --world-size 8 --mp bf16 \
+      --tokens 2x8192 --device cuda --checkpointing
 
 MODULE is imported as `python -m` imports it: from the current directory first, then the
-installed packages. Without --tokens the peak leaves out activations; with it, one
+installed packages. A transformers config.json (or a directory holding one) builds its
+causal LM, read locally. Without --tokens the peak leaves out activations; with it, one
 language-model step runs on the meta device to count them (the batch per rank is B
 sequences of T token ids, the loss the cross-entropy of the output against the next
 tokens). The peak assumes README's training loop with AdamW (see funcshard.estimate).
@@ -64,13 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     planner.add_argument(
         "factory",
-        metavar="MODULE:FACTORY",
+        metavar="MODULE:FACTORY|CONFIG.json",
         help="a function returning the model, e.g. pkg.models:gpt (called under "
-        "torch.device('meta'))",
+        "torch.device('meta')), or a transformers config.json",
     )
     planner.add_argument("--world-size", type=int, required=True, help="ranks in all")
     planner.add_argument("--mesh", help="RxS: replicate x shard (HSDP); default 1xWORLD (FSDP)")
     planner.add_argument("--mp", choices=sorted(DTYPES), help="gather and compute in this dtype")
+    planner.add_argument(
+        "--reduce", choices=sorted(REDUCE), help="reduce gradients in this dtype (with --mp)"
+    )
     planner.add_argument(
         "--units",
         help="comma-separated module class names to make units (default: the "
@@ -80,6 +92,29 @@ def main(argv: list[str] | None = None) -> int:
         "--tokens",
         metavar="BxT",
         help="count activations too: one step of B sequences of T token ids per rank",
+    )
+    planner.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="plan for this device's attention kernels, on any machine (default: cuda "
+        "where available, else cpu)",
+    )
+    planner.add_argument(
+        "--capability",
+        default="9.0",
+        metavar="MAJOR.MINOR",
+        help="the GPU assumed for --device cuda (default 9.0: sm90, H100/H200; 8.0 A100)",
+    )
+    planner.add_argument(
+        "--attention",
+        choices=KERNELS,
+        help="the attention kernel to assume instead of torch's choice for that GPU",
+    )
+    planner.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="with --tokens: activation checkpointing of every layer (a transformers "
+        "config.json's model: activation_checkpointing_enable())",
     )
     planner.add_argument(
         "--donate",
@@ -136,33 +171,104 @@ def _verify_command(path: str) -> int:
 
 def _plan_command(args: argparse.Namespace) -> int:
     replicate, shard = _mesh(args.mesh, args.world_size)
-    factory = load(args.factory, "plan")
+    hf = args.factory.endswith(".json") or os.path.isdir(args.factory)
+    factory = _config_model(args.factory) if hf else load(args.factory, "plan")
     with torch.device("meta"):
         model = factory()
+    if args.checkpointing:
+        _enable_checkpointing(model, args)
     classes = unit_classes(model, args.units, "plan")
     planned = plan(model, policy=module_classes(classes))
     dtype = DTYPES.get(args.mp)
-    mp = MixedPrecision(param_dtype=dtype) if dtype is not None else None
+    reduce = REDUCE.get(args.reduce)
+    mp = MixedPrecision(dtype, reduce) if dtype is not None or reduce is not None else None
     step: dict[str, Any] = {}
     if args.tokens:
         batch, length = _sizes(args.tokens, "--tokens")
         tokens = torch.zeros(batch, length, dtype=torch.long, device="meta")
-        step = {"loss_fn": functools.partial(_lm_loss, model), "args": (tokens,)}
-    result = estimate(planned, (replicate, shard), mp=mp, model=model, donate=args.donate, **step)
+        kwargs = {"use_cache": False} if hf else {}  # a training step keeps no cache
+        step = {"loss_fn": functools.partial(_lm_loss, model, kwargs), "args": (tokens,)}
+    result = estimate(
+        planned, (replicate, shard), mp=mp, model=model, donate=args.donate,
+        device=args.device, capability=_capability(args.capability),
+        attention=args.attention, **step,
+    )  # fmt: skip
     print(
         f"{args.factory}: {sum(p.numel() for p in model.parameters()):,} parameters, "
         f"mesh {replicate}x{shard} (replicate x shard), units: "
         f"{', '.join(c.__name__ for c in classes)}"
         + (f", batch {args.tokens} tokens per rank" if args.tokens else "")
+        + (", activation checkpointing" if args.checkpointing else "")
+        + (f", on {_device_words(args)}" if args.tokens else "")
     )
     print(result.table())
     return 0
 
 
-def _lm_loss(model: nn.Module, params: Any, tokens: torch.Tensor) -> torch.Tensor:
+def _config_model(path: str) -> Callable[[], nn.Module]:
+    """A function building the causal language model a transformers config.json describes
+    (a file, or a directory holding config.json), read locally: nothing is downloaded."""
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit(
+            f"funcshard plan {path}: a config.json needs transformers (pip install "
+            f"transformers)"
+        ) from None
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            fields = json.load(f)
+        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(
+            f"funcshard plan {path}: expected a transformers config.json with a model_type, "
+            f"got {type(e).__name__}: {e}"
+        ) from None
+    return functools.partial(transformers.AutoModelForCausalLM.from_config, config)
+
+
+def _enable_checkpointing(model: nn.Module, args: argparse.Namespace) -> None:
+    if not args.tokens:
+        raise SystemExit("funcshard plan --checkpointing: add --tokens BxT, the step to run")
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is None:
+        raise SystemExit(
+            f"funcshard plan --checkpointing: {type(model).__name__} has no "
+            f"activation_checkpointing_enable (a transformers model's method). Checkpoint "
+            f"in your model's forward (torch.utils.checkpoint, use_reentrant=False) and "
+            f"leave --checkpointing out, or use funcshard.estimate from Python."
+        )
+    model.train()
+    enable()
+
+
+def _capability(text: str) -> tuple[int, int]:
+    try:
+        major, minor = (int(x) for x in text.split("."))
+    except ValueError:
+        raise SystemExit(
+            f"funcshard plan: --capability expects MAJOR.MINOR, e.g. 9.0, got {text!r}"
+        ) from None
+    return major, minor
+
+
+def _device_words(args: argparse.Namespace) -> str:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return "cpu"
+    return f"cuda sm{args.capability.replace('.', '')}" + (
+        f" ({args.attention} attention)" if args.attention else ""
+    )
+
+
+def _lm_loss(
+    model: nn.Module, kwargs: dict[str, Any], params: Any, tokens: torch.Tensor
+) -> torch.Tensor:
     """A language model's loss: the cross-entropy of each position's output against a
     token (on the meta device only the shapes matter)."""
-    logits = fs.call(model, params, tokens)
+    logits = fs.call(model, params, tokens, **kwargs)
+    logits = getattr(logits, "logits", logits)  # a transformers model's output
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         raise SystemExit(
             f"funcshard plan --tokens: expected the model to return (batch, tokens, "

@@ -25,7 +25,34 @@ after forward]):
   loop, the previous step's gradients and updates; see `carried`).
 
 `funcshard.meta_step.MetaStep` does the parameters' part, `funcshard.metabytes` the
-counting and the device's attention kernels.
+counting, `funcshard.attention_kernels` the attention kernel the target device would run
+(see [Note: attention kernels without the device]: a GPU is planned for without one), and
+`funcshard.meta_predicates` the answers of a plain batch to the model's `all`/`any` checks
+(see [Note: a plain batch's answers]).
+
+[Note: recomputation in the dry run]
+Activation checkpointing keeps a checkpointed region's inputs instead of its saved tensors
+and runs the region again in backward. In the dry run the forward needs nothing new: torch's
+checkpoint pushes its own saved-tensor hooks inside the region, so the region's saved
+tensors (the unit's parameter views included) never reach `MetaStep.pack` and are dropped
+with forward, while the gather nodes stay in the graph and reduce as usual. In backward the
+recomputation runs the region's modules again after the model's call returned, when their
+slots hold placeholders. So while autograd runs, a global module pre-hook (the mirror of
+`funcshard.recompute.recomputing` and `sharded_call._Recomputation`) puts the units owning
+parameters under a recomputed module back: its buffers regathered (allocated, with the
+prefetch of the unit before it) if they were resharded, as fresh leaves that require grad as
+forward's parameters did, so that autograd saves the same tensors; they come out when the
+module's forward ends. The recomputed tensors then live until the unit's backward consumes
+them, which MetaBytes counts as it counts forward's. This covers every checkpoint that
+recomputes inside the outer backward: `torch.utils.checkpoint(..., use_reentrant=False)`
+(around a module's `__call__` or a function calling `fs.call`), torch's `checkpoint_wrapper`
+(non-reentrant by default) and transformers 5's `activation_checkpointing_enable` and its
+deprecated alias `gradient_checkpointing_enable` (non-reentrant by default; they wrap each
+layer's `forward`, so the layer's own hooks run once, outside the region, and only its
+submodules start again). `use_reentrant=True` recomputes in a backward of its own, which
+torch refuses under `torch.autograd.grad` (what `funcshard.value_and_grad` and the dry run
+differentiate with), naming the fix, use_reentrant=False: such a step cannot run, so it is
+not planned either.
 
 What it cannot see: allocator caching and fragmentation (CUDA reserves more than it
 allocates), buffers inside the collective libraries, and kernels whose device version
@@ -34,7 +61,9 @@ allocates other intermediates than the meta version describes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,10 +71,12 @@ import optree
 import torch
 from torch import Tensor, nn
 
+from funcshard.attention_kernels import DeviceKernels, Target
 from funcshard.binding import bind, restore_snapshot, snapshot_slots
 from funcshard.layout import Layout
+from funcshard.meta_predicates import PlainBatch
 from funcshard.meta_step import MetaStep
-from funcshard.metabytes import DeviceKernels, MetaBytes
+from funcshard.metabytes import MetaBytes
 from funcshard.optim import Optimizer, apply_updates
 from funcshard.precision import MixedPrecision
 
@@ -73,7 +104,7 @@ class StepSpec:
     reshard_after_forward: bool | int
     prefetch: bool
     loop: bool  # the previous step's gradients (and updates) are alive: see `carried`
-    device: str  # the device type whose kernels the step would run ("cpu", "cuda")
+    target: Target  # the device whose attention kernels the step would run
 
 
 def run_step(
@@ -96,10 +127,12 @@ def run_step(
             try:
                 with (
                     torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack),
-                    DeviceKernels(spec.device),
+                    _modes(spec.target),
                 ):
                     loss = spec.loss_fn(params, *args, **kwargs)
             except Exception as e:
+                if str(e).startswith("funcshard."):  # the dry run's own, with its fix
+                    raise
                 raise ValueError(
                     f"funcshard.estimate: loss_fn failed on the meta device, where the dry "
                     f"run calls it with meta parameters and a meta batch: {type(e).__name__}: "
@@ -112,7 +145,8 @@ def run_step(
                     handle.remove()
             loss = _scalar(loss)
             forward = live.restart_peak()
-            grads = torch.autograd.grad(loss, step.leaves(), allow_unused=True)
+            with step.recomputing(model, functools.partial(_modes, spec.target)):
+                grads = torch.autograd.grad(loss, step.leaves(), allow_unused=True)
             del loss
             step.finish()
             held["grads"] = {  # `loss, grads = ...` drops the previous step's
@@ -158,6 +192,14 @@ def optimizer_phase(
     new_params = apply_updates(params, updates)
     del updates, new_state, new_params
     return live.restart_peak()
+
+
+@contextlib.contextmanager
+def _modes(target: Target) -> Iterator[None]:
+    """What the step's code runs under: the target's attention kernels, a plain batch's
+    answers."""
+    with DeviceKernels(target), PlainBatch():
+        yield
 
 
 def _placeholders(layout: Layout) -> dict[str, Tensor]:

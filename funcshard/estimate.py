@@ -53,6 +53,7 @@ from tabulate import tabulate
 from torch import Tensor, nn
 
 from funcshard import dryrun, optim
+from funcshard.attention_kernels import Target
 from funcshard.binding import bind
 from funcshard.dryrun import Phases
 from funcshard.layout import FlatLayout, Layout, layout_of
@@ -174,6 +175,8 @@ def estimate(
     prefetch: bool = True,
     loop: bool = True,
     device: str | None = None,
+    capability: tuple[int, int] = (9, 0),
+    attention: str | None = None,
 ) -> Estimate:
     """Estimate one training step of `plan` on a mesh, per rank (see [Note: what the
     estimate counts]).
@@ -197,8 +200,15 @@ def estimate(
             alive during forward and backward. `loop=False`: a step function
             `state, opt_state = step(state, opt_state, batch)` whose caller holds nothing
             else.
-        device: the device type the step runs on, whose attention kernels the dry run
-            follows ("cpu", "cuda"); default cuda where available, else cpu.
+        device: the device type the step will run on ("cuda" or "cpu"), on any machine:
+            no GPU is needed to plan for one. The dry run follows that device's attention
+            kernels (see [Note: attention kernels without the device] in
+            funcshard/attention_kernels.py); default cuda where available, else cpu.
+        capability: the GPU assumed for device="cuda", as (major, minor): (9, 0) is sm90
+            (H100, H200), (8, 0) an A100, (10, 0) a B200. Decides which attention kernels
+            can run.
+        attention: "flash", "efficient", "cudnn" or "math" to name the attention kernel
+            instead of torch's choice (None).
 
     Communicates: nothing; nothing is allocated (the dry run uses the meta device).
     """
@@ -212,6 +222,7 @@ def estimate(
             "funcshard.estimate: loss_fn needs the model it calls (model=...), whose modules "
             "the dry run watches to gather each unit when it runs."
         )
+    target = Target(device or _default_device(), capability, attention)  # checks them
     optimizer = optimizer if optimizer is not None else optim.adamw(1e-3)
     layout = _layout(plan, shard)
     names = _names(plan)
@@ -223,7 +234,7 @@ def estimate(
     if loss_fn is not None:
         spec = dryrun.StepSpec(
             loss_fn, tuple(args), dict(kwargs or {}), optimizer, donate, mp,
-            reshard_after_forward, prefetch, loop, device or _default_device(),
+            reshard_after_forward, prefetch, loop, target,
         )  # fmt: skip
         phases = dryrun.run_step(model, layout, replicate, shard, spec)
         return Estimate(units, replicate, shard, phases, activations=True)

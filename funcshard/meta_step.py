@@ -9,12 +9,17 @@ compare it with LiveTensors in a real step).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 
 from funcshard.binding import Binding, set_slot
 from funcshard.layout import FlatLayout, Layout, frozen_ranges, param_views
@@ -291,6 +296,12 @@ class MetaStep:
         if not isinstance(packed, _Handle):
             return packed
         call, unit = packed.call, packed.unit
+        flat = self._regathered(call, unit)[self.binding.unit_flats[unit].index(packed.flat)]
+        return flat.as_strided(packed.size, packed.stride, packed.offset)
+
+    def _regathered(self, call: _Call, unit: int) -> tuple[Tensor, ...]:
+        """A unit's buffers in backward: regathered the first time backward asks, with the
+        prefetch of the unit that ran before it."""
         if unit not in call.regathered:
             self._issue(call, unit)
             call.regathered[unit] = call.pending.pop(unit)
@@ -299,8 +310,74 @@ class MetaStep:
             nxt = self._next(call, unit) if self.prefetch else None
             if nxt is not None:
                 self._issue(call, nxt)
-        flat = call.regathered[unit][self.binding.unit_flats[unit].index(packed.flat)]
-        return flat.as_strided(packed.size, packed.stride, packed.offset)
+        return call.regathered[unit]
+
+    # activation checkpointing: see [Note: recomputation in the dry run]
+    @contextlib.contextmanager
+    def recomputing(
+        self, model: nn.Module, modes: Callable[[], contextlib.AbstractContextManager]
+    ) -> Iterator[None]:
+        """During the block (backward), a module of `model` that runs again outside a call
+        (a checkpointed region recomputed) gets its units' parameters back: regathered if
+        they were resharded, as `funcshard.sharded_call._Recomputation` does. The outermost
+        recomputed module runs under `modes()`: autograd runs backward without the torch
+        function modes the step's forward ran under."""
+        under = _units_under(model, self.binding)
+        mine = {id(m) for m in model.modules()}
+        entered: list[tuple[nn.Module, list[int]]] = []
+        held: set[int] = set()
+        outer = contextlib.ExitStack()
+
+        def before(module: nn.Module, args: Any) -> None:
+            if self.current is not None or id(module) not in mine:
+                return
+            if not entered:
+                outer.enter_context(modes())
+            units = [u for u in under.get(id(module), ()) if u not in held]
+            for unit in units:
+                params = self._recompute_params(unit)
+                for slot, index, _ in self.binding.param_slots[unit]:
+                    set_slot(slot, params[index])
+                held.add(unit)
+            entered.append((module, units))
+
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            if entered and entered[-1][0] is module:
+                for unit in entered.pop()[1]:
+                    self._swap_out(unit)
+                    held.discard(unit)
+                if not entered:
+                    outer.close()
+
+        handles = (
+            register_module_forward_pre_hook(before),
+            register_module_forward_hook(after, always_call=True),
+        )
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for _, units in entered:
+                for unit in units:
+                    self._swap_out(unit)
+            outer.close()
+
+    def _recompute_params(self, unit: int) -> tuple[Tensor, ...]:
+        """Fresh leaves over the unit's buffers, requiring grad as forward's parameters did
+        (so autograd saves the same tensors; the gradients flow through forward's graph)."""
+        call = next((c for c in reversed(self.calls) if unit in c.order), None)
+        if call is None:
+            raise ValueError(
+                f"funcshard.estimate: unit {self.binding.unit_names[unit]!r} is recomputed in "
+                f"backward but did not run in forward. Checkpoint modules the step ran."
+            )
+        fulls = call.full.get(unit) or self._regathered(call, unit)
+        return tuple(
+            view.detach().requires_grad_(self.shards[i].requires_grad)
+            for i, full in zip(self.binding.unit_flats[unit], fulls, strict=True)
+            for view in param_views(full, self.layout.flats[i])
+        )
 
     def _next(self, call: _Call, unit: int) -> int | None:
         """The unit that ran before `unit` in forward, if backward still needs it."""
@@ -374,6 +451,20 @@ def _prepared(full: Tensor, flat: FlatLayout, mp: MixedPrecision | None) -> Tens
         for frozen in frozen_ranges(flat):
             grad[frozen] = 0
     return grad
+
+
+def _units_under(model: nn.Module, binding: Binding) -> dict[int, list[int]]:
+    """id of each module of `model` -> the units owning parameters at or under it."""
+    owners: dict[int, set[int]] = {}
+    for unit, slots in enumerate(binding.param_slots):
+        for slot, _, _ in slots:
+            owners.setdefault(id(slot.module), set()).add(unit)
+    under: dict[int, list[int]] = {}
+    for module in model.modules():
+        units = set().union(*(owners.get(id(m), set()) for m in module.modules()))
+        if units:
+            under[id(module)] = sorted(units)
+    return under
 
 
 def _shape(binding: Binding, fqn: str) -> tuple[int, ...]:

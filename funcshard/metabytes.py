@@ -1,9 +1,9 @@
 """Counting a computation's memory on the meta device, where nothing is allocated.
 
 `MetaBytes` counts the bytes of the meta tensors alive after every op, as
-`funcshard.testing.memory.LiveTensors` counts real ones. `DeviceKernels` makes the few ops
-whose meta version would describe other intermediates than the real device keeps take the
-device's path: attention, which on the meta device runs the math decomposition.
+`funcshard.testing.memory.LiveTensors` counts real ones. (The ops whose meta version would
+keep other intermediates than the device does, attention, take the device's path in
+`funcshard.attention_kernels`.)
 """
 
 from __future__ import annotations
@@ -12,10 +12,7 @@ import weakref
 from typing import Any
 
 import optree
-import torch
 from torch import Tensor
-from torch.nn.attention import SDPBackend
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -65,57 +62,3 @@ class MetaBytes(TorchDispatchMode):
         if self._users[key] == 0:
             del self._users[key]
             self.live -= self._bytes.pop(key)
-
-
-class DeviceKernels(TorchFunctionMode):
-    """Run attention as the real device would. On the meta device
-    `F.scaled_dot_product_attention` takes the math path, which keeps every attention
-    matrix for backward; where `device` would pick a fused kernel (flash, memory-efficient,
-    cuDNN: each keeps its output and the log-sum-exp), the dry run calls CPU flash
-    attention's op, whose meta kernel keeps the same."""
-
-    def __init__(self, device: str) -> None:
-        super().__init__()
-        self.device = device
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            out = _fused_attention(self.device, *args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
-
-
-def _fused_attention(
-    device: str,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Tensor | None:
-    """The fused attention's output on meta tensors, or None where `device` takes the math
-    path (asked of tiny tensors of the same heads and head size on that device)."""
-    if query.device.type != "meta" or query.dim() != 4:
-        return None
-
-    def tiny(t: Tensor) -> Tensor:
-        return torch.zeros((*t.shape[:-2], 1, t.shape[-1]), dtype=t.dtype, device=device)
-
-    mask = None
-    if attn_mask is not None:
-        mask = torch.ones((1,) * attn_mask.dim(), dtype=attn_mask.dtype, device=device)
-    choice = torch._fused_sdp_choice(
-        tiny(query), tiny(key), tiny(value), mask, dropout_p, is_causal,
-        scale=scale, enable_gqa=enable_gqa,
-    )  # fmt: skip
-    if choice == int(SDPBackend.MATH) or key.shape[-3] != query.shape[-3]:
-        return None
-    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-    )
-    return out

@@ -1,11 +1,12 @@
-"""`funcshard.estimate`: its peak against LiveTensors in a real 2-rank step, its arguments,
-and the sizes it prints."""
+"""`funcshard.estimate`: its peak against LiveTensors in a real 2-rank step (also with
+activation checkpointing), its arguments, and the sizes it prints."""
 
 import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import funcshard as fs
 from funcshard import testing
@@ -173,3 +174,43 @@ def test_a_loss_function_that_reads_values_is_named_with_the_fix():
     with pytest.raises(ValueError, match=r"loss_fn failed on the meta device.*\.item\(\)"):
         estimate(plan, 2, model=model, loss_fn=loss_fn, args=(x,))
     assert all(a is b for a, b in zip(model.parameters(), before, strict=True))  # put back
+
+
+def _checkpointed_gpt(checkpointed: bool) -> tuple[GPT, fs.Plan]:
+    with torch.device("meta"):
+        model = GPT(SMALL)
+    if checkpointed:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
+    return model, fs.plan(model, policy=fs.policy.module_classes({Block}))
+
+
+def _measured_checkpointed_loop(rank: int) -> int:
+    """README's loop on a GPT whose blocks run under torch's checkpoint_wrapper."""
+    model, plan = _checkpointed_gpt(True)
+    g = torch.Generator().manual_seed(rank)
+    t = torch.randint(SMALL.vocab_size, (8, SMALL.block_size + 1), generator=g)
+    x, y = t[:, :-1], t[:, 1:]
+    opt = fs.optim.adamw(1e-3)
+    grad_fn = fs.value_and_grad(functools.partial(_loss, model))
+    with LiveTensors() as memory:
+        state = fs.shard(model, plan, fs.Mesh(shard=2), seed=0)
+        opt_state = opt.init(state)
+        for _ in range(2):
+            _, grads = grad_fn(state, x, y)
+            updates, opt_state = opt.update(grads, opt_state, state)
+            state = fs.apply_updates(state, updates)
+    return memory.peak
+
+
+def test_a_checkpointed_step_is_estimated_within_10_percent_and_lower():
+    measured = max(testing.run(_measured_checkpointed_loop, world_size=2))
+    x = torch.zeros(8, SMALL.block_size, dtype=torch.long)
+    peaks = {}
+    for checkpointed in (False, True):
+        model, plan = _checkpointed_gpt(checkpointed)
+        loss_fn = functools.partial(_loss, model)
+        result = estimate(plan, 2, model=model, loss_fn=loss_fn, args=(x, x), device="cpu")
+        peaks[checkpointed] = result.peak
+    assert abs(peaks[True] - measured) / measured < 0.10
+    assert peaks[True] < peaks[False]
