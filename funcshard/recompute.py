@@ -93,8 +93,9 @@ def calling(module_ids: frozenset[int], reentry: Reentry) -> Iterator[None]:
         ran.append(_Call(module_ids, start, torch._C._autograd._get_sequence_nr(), reentry))
 
 
-def refuse_reentrant_checkpoint(where: str) -> None:
-    """Raise if a reentrant torch.utils.checkpoint is running this call without grad.
+def refuse_reentrant_checkpoint(where: str, place: str = "around a call") -> None:
+    """Raise if a reentrant torch.utils.checkpoint is running this call (or, inside one, a
+    unit's module: `place` says which) without grad.
 
     `checkpoint(..., use_reentrant=True)` runs its function under no_grad and recomputes it in
     a backward of its own, which accumulates into `.grad` of the tensors it was given, not
@@ -107,8 +108,8 @@ def refuse_reentrant_checkpoint(where: str) -> None:
     while frame is not None:
         if frame.f_code is target:
             raise RuntimeError(
-                f"funcshard.{where}: torch.utils.checkpoint(..., use_reentrant=True) around a "
-                f"call on a sharded state would give its parameters no gradients (the "
+                f"funcshard.{where}: torch.utils.checkpoint(..., use_reentrant=True) {place} "
+                f"on a sharded state would give its parameters no gradients (the "
                 f"reentrant variant recomputes in a backward of its own). Pass "
                 f"use_reentrant=False."
             )

@@ -245,6 +245,9 @@ class _Run:
 
     def enter(self, unit: int) -> None:
         """A unit's module is about to run: put its parameters in place, prefetch the next."""
+        if not torch.is_grad_enabled() and isinstance(self.state, gather.Differentiated):
+            name = self.binding.unit_names[unit]  # a rare path: the check walks the stack
+            recompute.refuse_reentrant_checkpoint("call", f"around unit {name!r} inside a call")
         if self.regather is not None:  # (first: the unit before is released before this
             self.regather.entered(unit)  # one is gathered, if it was not prefetched)
         params = self.gathered(unit)

@@ -525,6 +525,41 @@ def test_a_reentrant_checkpoint_around_a_sharded_call_is_refused_the_other_kind_
     assert all(testing.run(functools.partial(_checkpointed_whole_call, False)))
 
 
+class _InnerCheckpoint(nn.Module):
+    """A first layer checkpointed inside the model's own forward."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.first, self.last, self.reentrant = nn.Linear(8, 8), nn.Linear(8, 1), reentrant
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.first, x, use_reentrant=self.reentrant)
+        return self.last(torch.tanh(h))
+
+
+def _checkpointed_inside_the_call(reentrant: bool, rank: int):
+    torch.manual_seed(0)
+    model = _InnerCheckpoint(reentrant)
+    policy = fs.policy.module_classes({nn.Linear})
+    state = fs.shard(model, fs.plan(model, policy=policy), fs.Mesh(shard=2))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    try:
+        _, grads = fs.value_and_grad(lambda s: fs.call(model, s, x).square().sum())(state)
+    except RuntimeError as e:
+        return str(e)
+    model.reentrant = None  # plain: no checkpoint
+    model.forward = lambda x: model.last(torch.tanh(model.first(x)))
+    _, expected = fs.value_and_grad(lambda s: fs.call(model, s, x).square().sum())(state)
+    return all(torch.allclose(a, b) for a, b in zip(grads.shards, expected.shards, strict=True))
+
+
+def test_a_reentrant_checkpoint_inside_a_sharded_call_is_refused_not_left_without_gradients():
+    """Before: the checkpointed layer's parameters silently got zero gradients."""
+    for message in testing.run(functools.partial(_checkpointed_inside_the_call, True)):
+        assert "use_reentrant=True) around unit 'first' inside a call" in message
+    assert all(testing.run(functools.partial(_checkpointed_inside_the_call, False)))
+
+
 def test_collective_errors_name_the_root_unit_whose_name_is_empty():
     assert collectives.unit_words("") == " of the root unit"
     assert collectives.unit_words("blocks.0") == " of unit 'blocks.0'"
