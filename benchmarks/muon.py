@@ -16,7 +16,7 @@ rest. The same labels, learning rates and batch on both.
   contenders, averaged over ranks. The whole training step (forward, backward, optimizer)
   is timed alongside.
 - Peak live tensor bytes per rank of a whole training step (`LiveTensors`, op by op, a
-  DTensor counted by its local shard: see `LocalTensors`), parameters, gradients and
+  DTensor counted by its local shard), parameters, gradients and
   optimizer state included: the largest rank's peak over two steps after a first one that
   built the optimizer state (see `_peak_bytes`).
 - `--fake`: the same optimizer steps on torch's fake process group (rank 0 of N, one
@@ -44,7 +44,6 @@ import optree
 import torch
 import torch.distributed as dist
 from tabulate import tabulate
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import funcshard as fs
 from benchmarks.common import FSDP2, FUNCSHARD, lm_loss, mib, ms, ratio
@@ -162,24 +161,6 @@ class Fsdp2(Contender):
         return held
 
 
-class LocalTensors(LiveTensors):
-    """LiveTensors that counts a DTensor (any traceable wrapper subclass) by the tensors
-    it wraps. A dispatch mode sees FSDP2's optimizer ops at the DTensor level, and a
-    DTensor's `untyped_storage()` is a storage object of the full (global) size without
-    data, which LiveTensors would count on top of the local shard: every DTensor an op
-    returned (each in-place update of a parameter or a moment included) would count as
-    a whole unsharded tensor."""
-
-    def _track(self, tensor: torch.Tensor, watched: bool) -> None:
-        if is_traceable_wrapper_subclass(tensor):
-            for name in tensor.__tensor_flatten__()[0]:
-                inner = getattr(tensor, name)
-                if isinstance(inner, torch.Tensor):
-                    self._track(inner, watched)
-            return
-        super()._track(tensor, watched)
-
-
 def _builders(spec: MuonSpec, world: int, x: torch.Tensor, y: torch.Tensor, model: GPT):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -196,7 +177,7 @@ def _peak_bytes(build, steps: int) -> int:
     is counted too: FSDP2's unsharded parameters live in storages it resizes to zero
     after use and back before the next, which a count started later would never see."""
     contender = build()
-    with LocalTensors() as meter:
+    with LiveTensors() as meter:
         meter.adopt(contender.held())
         contender.grad()
         contender.step()

@@ -192,6 +192,33 @@ def test_a_finished_step_frees_its_gathered_buffers_without_the_garbage_collecto
         assert left == [0, 0], left
 
 
+def _dtensor_bytes(rank: int) -> dict:
+    """LiveTensors on a DTensor sharded over 2 ranks, (64, 64) float32: 8 KiB a rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    param = DTensor.from_local(torch.zeros(32, 64), mesh, [Shard(0)])
+    with LiveTensors() as adopted:
+        adopted.adopt(param)
+    with LiveTensors() as mode:
+        param.add_(1.0)  # an in-place update (torch.optim's): the local shard, counted once
+        in_place = mode.live
+        doubled = param * 2  # a new DTensor: its new local shard
+        made = mode.live
+        del doubled
+        freed = mode.live
+    return {"adopted": adopted.peak, "in place": in_place, "made": made, "freed": freed}
+
+
+def test_a_dtensor_counts_by_its_local_shard_not_its_global_size():
+    """A DTensor's `untyped_storage()` is a data-less storage of the global size: counted by
+    it, every in-place update of an FSDP2 parameter or moment was a whole unsharded tensor."""
+    local = 32 * 64 * 4
+    for counted in testing.run(_dtensor_bytes, world_size=2):
+        assert counted == {"adopted": local, "in place": local, "made": 2 * local, "freed": local}
+
+
 def _first_layer_unwaited(rank: int) -> list[list[str]]:
     from funcshard.testing import probes
 

@@ -1,7 +1,10 @@
 """Count live tensor memory op by op, on any device (a TorchDispatchMode).
 
 Every tensor an op returns is tracked by its storage; a storage counts as live while any
-tracked tensor that uses it is alive. Storages are keyed by their C++ identity, and resizes of
+tracked tensor that uses it is alive. A tensor subclass that wraps others (a traceable
+wrapper subclass such as DTensor) is tracked by the tensors it wraps: its own
+`untyped_storage()` is a storage object of its full (global) size without data, so a
+DTensor counts by its local shard. Storages are keyed by their C++ identity, and resizes of
 tracked storages (`untyped_storage().resize_`, which FSDP2 uses to free and regrow gathered
 parameters, and which no dispatch mode sees) are counted too. Tensors made before the mode
 started are not counted unless adopted. Used by the memory tests and the benchmarks' "peak
@@ -17,7 +20,7 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from funcshard import collectives
 
@@ -94,6 +97,15 @@ class LiveTensors(TorchDispatchMode):
         self._track(tensor, watched=True)
 
     def _track(self, tensor: torch.Tensor, watched: bool) -> None:
+        if is_traceable_wrapper_subclass(tensor):
+            # Counted by what it wraps (a DTensor by its local shard): the wrapper's own
+            # storage holds no data, but reports the global size. An in-place op on a
+            # DTensor returns it, and its local tensor was seen already.
+            for name in tensor.__tensor_flatten__()[0]:
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):
+                    self._track(inner, watched)
+            return
         try:
             storage = tensor.untyped_storage()
             ptr = storage._cdata
