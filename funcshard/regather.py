@@ -119,6 +119,9 @@ class Regather:
         under another saved-tensor hook (activation checkpointing's), the unit's saves are
         not seen by `pack`: it counts as needed in backward."""
         self.latest = None
+        if torch.compiler.is_compiling():  # traced: every unit counts as needed, as before
+            self.needed.add(unit)
+            return
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is None or id(top[0]) != self.pack_hook:
             self.needed.add(unit)
@@ -214,7 +217,8 @@ class Regather:
         run for every tensor autograd saves, two dozen per GPT block)."""
         pack = chaos.at_point(self.pack) if chaos.active() else self.pack
         unpack = chaos.at_point(self.unpack) if chaos.active() else self.unpack
-        self.pack_hook = id(pack)
+        if not torch.compiler.is_compiling():  # (an object's id is no graph's business)
+            self.pack_hook = id(pack)
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 

@@ -97,9 +97,10 @@ def test_ranks_whose_batch_shapes_change_the_units_they_run_raise_together_when_
     messages = testing.run(functools.partial(_diverging_batches, True), fresh=True, timeout=60)
     for rank, message in enumerate(messages):
         assert message.startswith(f"rank {rank}: the ranks of group [0, 1] are about to issue")
-        # rank 0 gathers `extra`; rank 1, which skipped it, already regathers `first` for backward
+        # rank 0 gathers `extra`; rank 1, which skipped it, is already in backward, reducing
+        # `last`'s gradients (`first`, whose weight backward never reads, is not regathered)
         assert "rank 0: all_gather of 72 x torch.float32 for unit 'extra'" in message
-        assert "rank 1: all_gather of 36 x torch.float32 for unit 'first'" in message
+        assert "rank 1: reduce_scatter of 10 x torch.float32 for unit 'last'" in message
 
 
 def test_unchecked_the_same_divergence_is_fatal_in_gloo_which_is_why_checks_exist():
@@ -428,7 +429,9 @@ def _grads_with_and_without_checkpointing(kind: str, rank: int) -> list:
                 return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         else:
             model = Checkpointed(checkpoint)
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+            # an input that needs its gradient: backward reads every layer's weight, so a
+            # recomputed unit is regathered exactly where backward regathers it anyway
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).requires_grad_()
             # trainable values that differ from the module's own weights
             params = {k: (v * 1.5).detach() for k, v in fs.extract(model)[0].items()}
             if kind == "fsdp":
