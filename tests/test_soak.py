@@ -1,4 +1,4 @@
-"""No leaks over a long run: 1,000 steps of the demo's model on 2 ranks."""
+"""No leaks over a long run: 400 steps of the demo's model on 2 ranks."""
 
 import functools
 import gc
@@ -11,7 +11,7 @@ from funcshard import demo, testing
 from funcshard.testing.memory import LiveTensors
 from funcshard.testing.models import GPT, Block
 
-STEPS = 1000
+STEPS = 400  # a leak of one object every 4 steps shows (the bound is 100)
 
 
 def _soak(rank: int) -> dict:
@@ -41,7 +41,7 @@ def _soak(rank: int) -> dict:
 
 
 @pytest.mark.timeout(900)
-def test_a_thousand_steps_keep_live_tensor_bytes_flat_and_python_objects_bounded():
+def test_hundreds_of_steps_keep_live_tensor_bytes_flat_and_python_objects_bounded():
     for result in testing.run(_soak, timeout=900):
         early, late = result["seen"][10], result["seen"][STEPS]
         assert late["live"] == early["live"], (early, late)
