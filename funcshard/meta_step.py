@@ -16,11 +16,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
 
+from funcshard import recompute
 from funcshard.binding import Binding, set_slot
 from funcshard.layout import FlatLayout, Layout, frozen_ranges, param_views
 from funcshard.precision import (
@@ -349,15 +346,10 @@ class MetaStep:
                 if not entered:
                     outer.close()
 
-        handles = (
-            register_module_forward_pre_hook(before),
-            register_module_forward_hook(after, always_call=True),
-        )
         try:
-            yield
+            with recompute.around_every_module(before, after):
+                yield
         finally:
-            for handle in handles:
-                handle.remove()
             for _, units in entered:
                 for unit in units:
                     self._swap_out(unit)

@@ -30,9 +30,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.utils.checkpoint
@@ -154,6 +154,21 @@ def recomputing(ran: list[_Call]) -> Iterator[None]:
             _, reentry, token = entered.pop()
             reentry.exit(token)
 
+    try:
+        with around_every_module(before, after):
+            yield
+    finally:
+        while entered:
+            _, reentry, token = entered.pop()
+            reentry.exit(token)
+
+
+@contextlib.contextmanager
+def around_every_module(
+    before: Callable[[nn.Module, Any], None], after: Callable[[nn.Module, Any, Any], None]
+) -> Iterator[None]:
+    """Call `before(module, args)` and `after(module, args, output)` around every module's
+    forward during the block (torch's global module hooks; `after` even when it raises)."""
     handles = (
         register_module_forward_pre_hook(before),
         register_module_forward_hook(after, always_call=True),
@@ -163,9 +178,6 @@ def recomputing(ran: list[_Call]) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-        while entered:
-            _, reentry, token = entered.pop()
-            reentry.exit(token)
 
 
 def _the_call_recomputed(module: nn.Module, calls: list[_Call]) -> _Call:
