@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives
-from funcshard.layout import Layout
-from funcshard.optim_leaves import Packed, packed_pieces
+from funcshard.layout import FlatLayout, Layout, shard_pieces
+from funcshard.optim_leaves import Packed
 from funcshard.state import ShardedState
 
 
@@ -94,27 +94,24 @@ def first_ranks_buffers(state: ShardedState) -> ShardedState:
 def _pieces(shard: Tensor, lined: int | Packed, layout: Layout) -> dict[str, tuple[int, Tensor]]:
     """The piece of each parameter that this rank's leaf holds: fqn -> (start, values). The
     leaf is a flat shard (`lined` its index) or a partition group's packed leaf."""
+    flat, fqns = _source(lined, layout)
+    return {
+        flat.fqns[p.index]: (p.start, shard[p.local : p.local + p.stop - p.start])
+        for p in shard_pieces(flat, layout.mesh.shard_rank, fqns)
+    }
+
+
+def _source(lined: int | Packed, layout: Layout) -> tuple[FlatLayout, tuple[str, ...] | None]:
+    """The flat buffer a lined-up leaf comes from, and the parameters it holds (None: all)."""
     if isinstance(lined, Packed):
-        out, at = {}, 0
-        for fqn, lo, hi in packed_pieces(layout, lined.flat, lined.fqns):
-            out[fqn] = (lo, shard[at : at + hi - lo])
-            at += hi - lo
-        return out
-    flat = layout.flats[lined]
-    start = layout.mesh.shard_rank * flat.shard_numel
-    end = start + flat.shard_numel
-    out = {}
-    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
-        lo, hi = max(start, offset), min(end, offset + numel)
-        if lo < hi:
-            out[fqn] = (lo - offset, shard[lo - start : hi - start])
-    return out
+        return layout.flats[lined.flat], lined.fqns
+    return layout.flats[lined], None
 
 
 def _members(lined: int | Packed, layout: Layout) -> list[tuple[str, int]]:
     """(fqn, numel) of every parameter a lined-up leaf stores a key for."""
-    flat = layout.flats[lined.flat if isinstance(lined, Packed) else lined]
-    chosen = set(lined.fqns) if isinstance(lined, Packed) else set(flat.fqns)
+    flat, fqns = _source(lined, layout)
+    chosen = set(flat.fqns if fqns is None else fqns)
     return [(f, n) for f, n in zip(flat.fqns, flat.numels, strict=True) if f in chosen]
 
 
@@ -136,30 +133,12 @@ def _split(prefix: str, shard: Tensor, lined: int | Packed, layout: Layout) -> d
 
 def _join(prefix: str, loaded: dict[str, Any], lined: int | Packed, layout: Layout) -> Tensor:
     """This rank's lined-up leaf rebuilt from loaded per-parameter pieces (padding zero)."""
-    if isinstance(lined, Packed):
-        flat = layout.flats[lined.flat]
-        placed = packed_pieces(layout, lined.flat, lined.fqns)
-        leaf = torch.zeros(
-            sum(hi - lo for _, lo, hi in placed), dtype=flat.dtype, device=layout.mesh.device
-        )
-        at = {}
-        position = 0
-        for fqn, lo, hi in placed:
-            at[fqn] = position - lo  # where the parameter's element 0 would sit
-            position += hi - lo
-        for fqn, _ in _members(lined, layout):
-            for start, values in collectives.local_pieces(loaded[f"{prefix}/{fqn}"]):
-                if fqn in at:
-                    where = at[fqn] + start
-                    leaf[where : where + values.numel()] = values.reshape(-1)
-        return leaf
-    flat = layout.flats[lined]
-    shard = torch.zeros(flat.shard_numel, dtype=flat.dtype, device=layout.mesh.device)
-    base = layout.mesh.shard_rank * flat.shard_numel
-    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
-        if not numel:
-            continue
-        for start, values in collectives.local_pieces(loaded[f"{prefix}/{fqn}"]):
-            at = offset + start - base
-            shard[at : at + values.numel()] = values.reshape(-1)
-    return shard
+    flat, fqns = _source(lined, layout)
+    pieces = shard_pieces(flat, layout.mesh.shard_rank, fqns)
+    size = flat.shard_numel if fqns is None else sum(p.stop - p.start for p in pieces)
+    leaf = torch.zeros(size, dtype=flat.dtype, device=layout.mesh.device)
+    for p in pieces:
+        for start, values in collectives.local_pieces(loaded[f"{prefix}/{flat.fqns[p.index]}"]):
+            at = p.local - p.start + start  # the loaded piece's place in this rank's leaf
+            leaf[at : at + values.numel()] = values.reshape(-1)
+    return leaf

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcshard.layout import Layout
+from funcshard.layout import Layout, shard_pieces
 from funcshard.state import ensure_live
 from funcshard.tree import register_record
 
@@ -135,14 +135,8 @@ def group_parts(layout: Layout, members: frozenset[str]) -> tuple[Part, ...]:
 @functools.lru_cache(maxsize=1024)
 def _slices(layout: Layout, rank: int, part: Part) -> tuple[slice, ...]:
     """Where this rank's pieces of a packed part's parameters lie in its source shard."""
-    flat = layout.flats[part.source]
-    base, chosen = rank * flat.shard_numel, set(part.fqns)
-    out = []
-    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
-        lo, hi = max(base, offset), min(base + flat.shard_numel, offset + numel)
-        if fqn in chosen and lo < hi:
-            out.append(slice(lo - base, hi - base))
-    return tuple(out)
+    pieces = shard_pieces(layout.flats[part.source], rank, part.fqns)
+    return tuple(slice(p.at, p.at + p.stop - p.start) for p in pieces)
 
 
 def _packed(leaf: Tensor | None, layout: Layout, rank: int, part: Part) -> Tensor | None:

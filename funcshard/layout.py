@@ -13,9 +13,11 @@ Everything here is static and hashable: it is the aux data of a ShardedState's p
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -109,10 +111,49 @@ def frozen_ranges(flat: FlatLayout, start: int = 0, end: int | None = None) -> l
     end = flat.padded_numel if end is None else end
     ranges = []
     for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
-        lo, hi = max(start, offset), min(end, offset + numel)
+        lo, hi = overlap(offset, numel, start, end)
         if fqn in flat.frozen_fqns and lo < hi:
-            ranges.append(slice(lo - start, hi - start))
+            ranges.append(slice(offset + lo - start, offset + hi - start))
     return ranges
+
+
+def overlap(offset: int, numel: int, start: int, end: int) -> tuple[int, int]:
+    """Elements `[lo, hi)` of a parameter at `offset` of its buffer (of `numel` elements)
+    that the buffer's `[start, end)` holds, numbered in the parameter; (0, 0) for none."""
+    lo, hi = max(start, offset), min(end, offset + numel)
+    return (lo - offset, hi - offset) if lo < hi else (0, 0)
+
+
+class ShardPiece(NamedTuple):
+    """A rank's piece of one parameter of a flat buffer (see `shard_pieces`)."""
+
+    index: int  # the parameter's, in the buffer's `fqns`
+    start: int  # elements [start, stop) of the flattened parameter
+    stop: int
+    at: int  # where they start in the rank's shard
+    local: int  # where they start in the leaf of the chosen pieces (`at` when all are)
+
+
+@functools.lru_cache(maxsize=4096)
+def shard_pieces(
+    flat: FlatLayout, shard_rank: int, fqns: tuple[str, ...] | None = None
+) -> tuple[ShardPiece, ...]:
+    """Rank `shard_rank`'s piece of each parameter of `flat` it holds any of, in buffer
+    order; only `fqns`' when given, their `local` positions then one after another (a
+    partition group's packed leaf, see funcshard/groups.py). Static: made once per
+    buffer, rank and choice."""
+    base, chosen = shard_rank * flat.shard_numel, None if fqns is None else set(fqns)
+    out, placed = [], 0
+    for i, (fqn, offset, numel) in enumerate(
+        zip(flat.fqns, flat.offsets, flat.numels, strict=True)
+    ):
+        lo, hi = overlap(offset, numel, base, base + flat.shard_numel)
+        if lo == hi or (chosen is not None and fqn not in chosen):
+            continue
+        at = offset + lo - base
+        out.append(ShardPiece(i, lo, hi, at, at if chosen is None else placed))
+        placed += hi - lo
+    return tuple(out)
 
 
 def param_views(buffer: torch.Tensor, flat: FlatLayout) -> tuple[torch.Tensor, ...]:

@@ -29,7 +29,7 @@ import optree
 import torch.utils._pytree as torch_pytree
 from torch import Tensor
 
-from funcshard.layout import Layout
+from funcshard.layout import Layout, shard_pieces
 from funcshard.owned import Owned
 
 
@@ -173,19 +173,8 @@ def _group_aligned(item: Any, key: str, index: Any, layout: Layout, parts: tuple
 
 def packed_numel(layout: Layout, part: Any) -> int:
     """Elements of this rank's packed leaf of a group's `part`."""
-    return sum(hi - lo for _, lo, hi in packed_pieces(layout, part.source, part.fqns))
-
-
-def packed_pieces(layout: Layout, flat_index: int, fqns: tuple[str, ...]) -> list:
-    """(fqn, start in the parameter, end) of this rank's pieces of `fqns` in flat
-    `flat_index`, in buffer order: a packed leaf holds them one after another."""
-    flat, rank, chosen = layout.flats[flat_index], layout.mesh.shard_rank, set(fqns)
-    base, out = rank * flat.shard_numel, []
-    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
-        lo, hi = max(base, offset), min(base + flat.shard_numel, offset + numel)
-        if fqn in chosen and lo < hi:
-            out.append((fqn, lo - offset, hi - offset))
-    return out
+    pieces = shard_pieces(layout.flats[part.source], layout.mesh.shard_rank, part.fqns)
+    return sum(p.stop - p.start for p in pieces)
 
 
 def _aligned(item: Any, key: str, index: Any, layout: Layout) -> tuple[Any, str, Any]:

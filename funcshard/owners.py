@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives
-from funcshard.layout import FlatLayout
+from funcshard.layout import FlatLayout, overlap, shard_pieces
 
 
 @dataclass(frozen=True)
@@ -52,10 +52,7 @@ class Member:
 
     def piece(self, rank: int, shard_numel: int) -> tuple[int, int]:
         """`[lo, hi)` of the flattened parameter that rank `rank`'s shard holds."""
-        base = rank * shard_numel
-        lo = max(base, self.offset) - self.offset
-        hi = min(base + shard_numel, self.offset + self.numel) - self.offset
-        return (lo, hi) if lo < hi else (0, 0)
+        return overlap(self.offset, self.numel, rank * shard_numel, (rank + 1) * shard_numel)
 
 
 @dataclass(frozen=True)
@@ -112,17 +109,13 @@ def plan(
     leaves `wholes` lists ((leaf index, fqn))."""
     found = []
     for leaf, flat, trained, packed in flats:
-        chosen, base, at = set(trained), (rank % shard) * flat.shard_numel, 0
-        for fqn, shape, offset, numel in zip(
-            flat.fqns, flat.shapes, flat.offsets, flat.numels, strict=True
-        ):
-            if packed is not None and fqn not in packed:
-                continue
-            lo, hi = max(base, offset), min(base + flat.shard_numel, offset + numel)
-            local = at if packed is not None else lo - base
+        pieces = shard_pieces(flat, rank % shard, packed)
+        local = {flat.fqns[p.index]: p.local for p in pieces}  # where this rank's piece is
+        chosen = set(trained)
+        for i, fqn in enumerate(flat.fqns):
             if fqn in chosen:
-                found.append((fqn, shape, leaf, offset, numel, local))
-            at += max(hi - lo, 0)
+                where = local.get(fqn, 0)
+                found.append((fqn, flat.shapes[i], leaf, flat.offsets[i], flat.numels[i], where))
     owners = _balanced([f[4] for f in found], size)
     members = tuple(
         Member(fqn, shape, leaf, offset, numel, owner, local)

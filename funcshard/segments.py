@@ -32,7 +32,7 @@ from torch import Tensor
 
 from funcshard import collectives
 from funcshard.groups import GroupView
-from funcshard.layout import FlatLayout
+from funcshard.layout import FlatLayout, shard_pieces
 from funcshard.state import ShardedGrads, ShardedState
 from funcshard.tree import format_names
 
@@ -224,18 +224,15 @@ def _pieces(leaf: _Leaf) -> tuple[Piece, ...]:
     """This rank's piece of each of a flat leaf's parameters (of a packed leaf's: only its
     own, placed one after another)."""
     flat = leaf.flat
-    base = leaf.shard_rank * flat.shard_numel
-    chosen, at, out = set(leaf.fqns), 0, []
-    for fqn, shape, offset, numel in zip(
-        flat.fqns, flat.shapes, flat.offsets, flat.numels, strict=True
-    ):
-        lo, hi = max(base, offset), min(base + flat.shard_numel, offset + numel)
-        if lo >= hi or (leaf.packed and fqn not in chosen):
-            continue
-        local = slice(at, at + hi - lo) if leaf.packed else slice(lo - base, hi - base)
-        out.append(Piece(fqn, shape, local, lo - offset))
-        at += hi - lo
-    return tuple(out)
+    return tuple(
+        Piece(
+            flat.fqns[p.index],
+            flat.shapes[p.index],
+            slice(p.local, p.local + p.stop - p.start),
+            p.start,
+        )
+        for p in shard_pieces(flat, leaf.shard_rank, leaf.fqns if leaf.packed else None)
+    )
 
 
 def _owner_index(leaf: _Leaf, device: torch.device) -> Tensor:

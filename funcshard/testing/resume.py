@@ -182,24 +182,14 @@ def _groups(value: Any) -> tuple | None:
 
 def _as_shards(state: fs.ShardedState, value: Any, parts: tuple | None) -> tuple:
     """Moments per flat shard (None where absent): a group's packed leaves spread back over
-    their flat shards with zeros elsewhere; replicated parameters' moments left out."""
+    their flat shards with zeros elsewhere, as `partition` spreads a group's updates;
+    replicated parameters' moments left out."""
     if parts is None:
         return tuple(value)
-    n, rank = len(state.shards), state.layout.mesh.shard_rank
-    out: list[Tensor | None] = [None] * n
-    for part, v in zip(parts, value, strict=True):
-        if part.source >= n or v is None:
-            continue
-        if not part.packed:
-            out[part.source] = v
-            continue
-        full = v.new_zeros(state.layout.flats[part.source].shard_numel)
-        at = 0
-        for piece in groups._slices(state.layout, rank, part):
-            full[piece] = v[at : at + piece.stop - piece.start]
-            at += piece.stop - piece.start
-        out[part.source] = full
-    return tuple(out)
+    spread: list[Tensor | None] = [None] * len(state.leaves())
+    view = groups.GroupView(tuple(value), state.layout, parts)
+    groups.scatter(view, view, spread, None)
+    return tuple(spread[: len(state.shards)])
 
 
 def _unshard_fields(
