@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from funcshard import testing
-from funcshard.testing.runner import WorkerPool
+from funcshard.testing.pool import WorkerPool
 
 REPEATS = 20
 

@@ -197,7 +197,7 @@ def test_a_model_with_a_zero_element_parameter_saves_and_loads(tmp_path):
 @pytest.fixture(scope="module")
 def two_jobs():
     """Two separate 2-rank jobs (worlds of their own), run side by side with `_side_by_side`."""
-    pools = [testing.runner.WorkerPool(2), testing.runner.WorkerPool(2)]
+    pools = [testing.pool.WorkerPool(2), testing.pool.WorkerPool(2)]
     yield pools
     for pool in pools:
         pool.quit()
