@@ -31,7 +31,7 @@ from funcshard.metrics import global_norm as global_norm
 from funcshard.metrics import pmean as pmean
 from funcshard.metrics import psum as psum
 from funcshard.module import extract as extract
-from funcshard.optim import apply_updates as apply_updates
+from funcshard.optim_params import apply_updates as apply_updates
 from funcshard.plan import Plan as Plan
 from funcshard.plan import Unit as Unit
 from funcshard.plan import plan as plan

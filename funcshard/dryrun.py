@@ -77,7 +77,8 @@ from funcshard.layout import Layout
 from funcshard.meta_predicates import PlainBatch
 from funcshard.meta_step import MetaStep
 from funcshard.metabytes import MetaBytes
-from funcshard.optim import Optimizer, apply_updates
+from funcshard.optim_base import Optimizer
+from funcshard.optim_params import apply_updates
 from funcshard.precision import MixedPrecision
 
 

@@ -52,13 +52,15 @@ import torch
 from tabulate import tabulate
 from torch import Tensor, nn
 
-from funcshard import dryrun, optim
+from funcshard import dryrun
 from funcshard.attention_kernels import Target
 from funcshard.binding import bind
 from funcshard.dryrun import Phases
 from funcshard.layout import FlatLayout, Layout, layout_of
 from funcshard.mesh import Mesh
 from funcshard.metabytes import MetaBytes
+from funcshard.optim_base import Optimizer
+from funcshard.optim_kernels import adamw
 from funcshard.plan import Plan
 from funcshard.precision import MixedPrecision, gather_dtype, reduce_dtype
 
@@ -169,7 +171,7 @@ def estimate(
     loss_fn: Callable[..., Tensor] | None = None,
     args: tuple[Any, ...] = (),
     kwargs: Mapping[str, Any] | None = None,
-    optimizer: optim.Optimizer | None = None,
+    optimizer: Optimizer | None = None,
     donate: bool = False,
     reshard_after_forward: bool | int = True,
     prefetch: bool = True,
@@ -223,7 +225,7 @@ def estimate(
             "the dry run watches to gather each unit when it runs."
         )
     target = Target(device or _default_device(), capability, attention)  # checks them
-    optimizer = optimizer if optimizer is not None else optim.adamw(1e-3)
+    optimizer = optimizer if optimizer is not None else adamw(1e-3)
     layout = _layout(plan, shard)
     names = _names(plan)
     last = next((n for n in reversed(names) if n), None)  # forward's last unit: not regathered
@@ -287,7 +289,7 @@ def _unit(
     replicate: int,
     shard: int,
     mp: MixedPrecision | None,
-    optimizer: optim.Optimizer,
+    optimizer: Optimizer,
     regathered: bool = True,
 ) -> UnitEstimate:
     flats = [f for f in layout.flats if f.unit == name]
@@ -314,7 +316,7 @@ def _unit(
     )
 
 
-def _optimizer_state_bytes(flats: list[FlatLayout], optimizer: optim.Optimizer) -> int:
+def _optimizer_state_bytes(flats: list[FlatLayout], optimizer: Optimizer) -> int:
     """What `optimizer.init` makes for these shards, counted on the meta device."""
     shards = {
         str(i): torch.empty(f.shard_numel, dtype=f.dtype, device="meta")
@@ -335,7 +337,7 @@ def _walk(
     units: tuple[UnitEstimate, ...],
     whole: set[str],
     layout: Layout,
-    optimizer: optim.Optimizer,
+    optimizer: Optimizer,
     donate: bool,
     loop: bool,
     reshard: bool,
@@ -381,7 +383,7 @@ def _walk(
     return Phases(forward, backward, _optimizer_phase(layout, optimizer, donate, loop))
 
 
-def _optimizer_phase(layout: Layout, optimizer: optim.Optimizer, donate: bool, loop: bool) -> int:
+def _optimizer_phase(layout: Layout, optimizer: Optimizer, donate: bool, loop: bool) -> int:
     """The optimizer phase's peak, run on meta shards (see `dryrun.optimizer_phase`)."""
     with MetaBytes() as live:
         shards = [torch.empty(f.shard_numel, dtype=f.dtype, device="meta") for f in layout.flats]

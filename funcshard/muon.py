@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcshard.optim import LearningRate, Optimizer, _check_rates, _lr_at, _state_record
+from funcshard.optim_base import Optimizer, _state_record
+from funcshard.optim_rates import LearningRate, _check_rates, _lr_at
 from funcshard.whole_params import whole_params
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)

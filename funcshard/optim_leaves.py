@@ -30,6 +30,7 @@ import torch.utils._pytree as torch_pytree
 from torch import Tensor
 
 from funcshard.layout import Layout, shard_pieces
+from funcshard.optim_partition import PartitionState
 from funcshard.owned import Owned
 
 
@@ -122,7 +123,7 @@ def rebuild(spec: Any, leaves: list[Any]) -> Any:
             for name, sub_spec, count in zip(part.names, part.specs, part.counts, strict=True):
                 states[name] = rebuild(sub_spec, leaves[at : at + count])
                 at += count
-            outer.append(_partition_state()(states=states, groups=part.groups))
+            outer.append(PartitionState(states=states, groups=part.groups))
         elif isinstance(part, _OwnedPart):
             states = {}
             for fqn, sub_spec, count in zip(part.fqns, part.specs, part.counts, strict=True):
@@ -145,13 +146,7 @@ def _is_node(node: Any) -> bool:
 
 def _is_groups(node: Any) -> bool:
     """A partition's state over sharded params (over a dict it has no groups: plain)."""
-    return isinstance(node, _partition_state()) and bool(node.groups)
-
-
-def _partition_state() -> type:
-    from funcshard.optim import PartitionState  # optim imports checkpointing's users
-
-    return PartitionState
+    return isinstance(node, PartitionState) and bool(node.groups)
 
 
 def _group_aligned(item: Any, key: str, index: Any, layout: Layout, parts: tuple) -> tuple:

@@ -23,7 +23,7 @@ from torch import Tensor
 from funcshard import collectives, owners
 from funcshard.groups import GroupView
 from funcshard.leaves import leaves, with_leaves
-from funcshard.optim import Optimizer
+from funcshard.optim_base import Optimizer
 from funcshard.owned import Owned
 from funcshard.state import ShardedGrads, ShardedState
 from funcshard.tree import format_names

@@ -47,7 +47,7 @@ import optree
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from funcshard.optim import Optimizer
+from funcshard.optim_base import Optimizer
 from funcshard.testing import judge
 from funcshard.testing.harness import LAWS, MP, Case, Config, PhaseFailed, global_batch
 from funcshard.testing.laws import observe as _observe
