@@ -31,11 +31,12 @@ from funcshard.metrics import global_norm as global_norm
 from funcshard.metrics import pmean as pmean
 from funcshard.metrics import psum as psum
 from funcshard.module import extract as extract
-from funcshard.optim_params import apply_updates as apply_updates
+from funcshard.optim import apply_updates as apply_updates
 from funcshard.plan import Plan as Plan
 from funcshard.plan import Unit as Unit
 from funcshard.plan import plan as plan
 from funcshard.precision import MixedPrecision as MixedPrecision
+from funcshard.reduction import reduce as reduce
 from funcshard.replicate import replicate as replicate
 from funcshard.rng import fold_in as fold_in
 from funcshard.rng import manual_seed as manual_seed
@@ -43,6 +44,7 @@ from funcshard.rng import rank_generator as rank_generator
 from funcshard.rng import rank_seed as rank_seed
 from funcshard.sharded_call import Prefetch as Prefetch
 from funcshard.sharded_call import call as call
+from funcshard.sharding import shard as shard
 from funcshard.split import Bucket as Bucket
 from funcshard.split import SplitGraph as SplitGraph
 from funcshard.split import split as split
@@ -50,14 +52,12 @@ from funcshard.state import DonatedError as DonatedError
 from funcshard.state import LocalGrads as LocalGrads
 from funcshard.state import ShardedGrads as ShardedGrads
 from funcshard.state import ShardedState as ShardedState
+from funcshard.state_dict import from_state_dict as from_state_dict
+from funcshard.state_dict import full_state_dict as full_state_dict
 from funcshard.trace import trace as trace
-from funcshard.transforms import from_state_dict as from_state_dict
-from funcshard.transforms import full_state_dict as full_state_dict
-from funcshard.transforms import reduce as reduce
-from funcshard.transforms import reshard as reshard
-from funcshard.transforms import shard as shard
-from funcshard.transforms import unshard as unshard
-from funcshard.transforms import unshard_async as unshard_async
+from funcshard.unsharding import reshard as reshard
+from funcshard.unsharding import unshard as unshard
+from funcshard.unsharding import unshard_async as unshard_async
 
 __all__ = [
     "Bucket",

@@ -21,9 +21,9 @@ from funcshard import collectives, finite, gather, gc_pause, host_memory, recomp
 from funcshard.comm import Comm, check_carry
 from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
+from funcshard.reduction import reduce_replicated
 from funcshard.sharded_call import Prefetch
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState, ensure_live
-from funcshard.transforms import reduce_replicated
 
 
 def value_and_grad(

@@ -17,7 +17,7 @@ from torch import Tensor
 from funcshard import collectives, waits
 from funcshard.hf import INDEX, SAVE, SHARD_FILE, WEIGHTS, agree_on_failure, check_state
 from funcshard.state import ShardedState, ensure_live
-from funcshard.transforms import unshard
+from funcshard.unsharding import unshard
 
 
 def save_hf(

@@ -24,8 +24,8 @@ from funcshard.module import check_module
 from funcshard.plan import plan
 from funcshard.policy import buckets
 from funcshard.precision import MixedPrecision
+from funcshard.sharding import shard_as
 from funcshard.state import ShardedState
-from funcshard.transforms import shard_as
 
 
 def replicate(
