@@ -42,7 +42,6 @@ from funcshard.rng import fold_in as fold_in
 from funcshard.rng import manual_seed as manual_seed
 from funcshard.rng import rank_generator as rank_generator
 from funcshard.rng import rank_seed as rank_seed
-from funcshard.sharded_call import Prefetch as Prefetch
 from funcshard.sharded_call import call as call
 from funcshard.sharding import shard as shard
 from funcshard.split import Bucket as Bucket
@@ -55,6 +54,7 @@ from funcshard.state import ShardedState as ShardedState
 from funcshard.state_dict import from_state_dict as from_state_dict
 from funcshard.state_dict import full_state_dict as full_state_dict
 from funcshard.trace import trace as trace
+from funcshard.unit_gathers import Prefetch as Prefetch
 from funcshard.unsharding import reshard as reshard
 from funcshard.unsharding import unshard as unshard
 from funcshard.unsharding import unshard_async as unshard_async

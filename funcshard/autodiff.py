@@ -17,13 +17,16 @@ import optree
 import torch
 from torch import Tensor
 
-from funcshard import collectives, finite, gather, gc_pause, host_memory, recompute, waits
+from funcshard import collectives, finite, gc_pause, host_memory, recompute, waits
 from funcshard.comm import Comm, check_carry
+from funcshard.deferred_reduce import abandon_reduces
+from funcshard.gather_spec import Differentiated, specs_and_sinks
 from funcshard.layout import param_views
 from funcshard.precision import reduce_dtype
+from funcshard.reduce_flat import reduce_whole
 from funcshard.reduction import reduce_replicated
-from funcshard.sharded_call import Prefetch
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState, ensure_live
+from funcshard.unit_gathers import Prefetch
 
 
 def value_and_grad(
@@ -174,14 +177,14 @@ def _carried_value_and_grad(f, has_aux, state, all_reduce, prefetch, comm, carry
     value, (fulls, local_replicated) = _sharded_value_and_grad(
         f, has_aux, state, "none", prefetch, args, kwargs, comm, keep_flat=True
     )
-    specs, _ = gather.specs_and_sinks(state, comm)
+    specs, _ = specs_and_sinks(state, comm)
     shards, new_carry = [], []
     for spec, c, full in zip(specs, carry, fulls, strict=True):
         if full is None:
             shards.append(None)
             new_carry.append(c)
             continue
-        grad, c = gather.reduce_whole(full, spec, c, all_reduce)
+        grad, c = reduce_whole(full, spec, c, all_reduce)
         shards.append(grad.to(spec.flat.dtype))
         new_carry.append(c)
     layout = state.layout
@@ -215,7 +218,7 @@ def _sharded_value_and_grad(
         f: t.detach().requires_grad_(f not in layout.replicated_frozen)
         for f, t in state.replicated.items()
     }
-    differentiated = gather.Differentiated(  # (field by field: dynamo cannot trace fields())
+    differentiated = Differentiated(  # (field by field: dynamo cannot trace fields())
         shards=shards,
         replicated=replicated,
         buffers=state.buffers,
@@ -246,7 +249,7 @@ def _sharded_value_and_grad(
                 else [None] * len(inputs)
             )
     except BaseException:
-        gather.abandon_reduces()
+        abandon_reduces()
         raise
     grads = [
         None if t is None else _or_zeros(next(found), t, flat, state.mp)

@@ -45,7 +45,7 @@ class Binding:
     buffer_slots: tuple[tuple[Slot, str], ...]
     module_ids: frozenset[int]  # every module of the model (see funcshard/recompute.py)
     relinks: tuple[tuple[nn.Module, tuple[int, ...]], ...]  # (module, the whole-call units
-    # owning a slot in it): where each such unit is first used (see `_Run.relink`)
+    # owning a slot in it): where each such unit is first used (see `Run.relink`)
     relinked_units: frozenset[str]  # the names of the units in `relinks`
     unit_placeholders: tuple[ByModule[tuple[str, Tensor]], ...]  # per unit: (attr, meta
     # placeholder) of its parameter slots, by module

@@ -38,14 +38,16 @@ from torch import Tensor, nn
 
 from funcshard import gather, precision
 from funcshard.comm import Comm
-from funcshard.compiled_schedule import GATHER
+from funcshard.gather_spec import specs_and_sinks
 from funcshard.module import call as call_on_dict
 from funcshard.state import ShardedState
+
+GATHER = "funcshard_gather"  # the meta["custom"] key of a gather's nodes: (index, unit, reshard)
 
 
 def full_params(state: ShardedState, comm: Comm | None = None) -> dict[str, Tensor]:
     """Every parameter of the state, gathered differentiably, by FQN (with the replicated)."""
-    specs, sinks = gather.specs_and_sinks(state, comm)
+    specs, sinks = specs_and_sinks(state, comm)
     params: dict[str, Tensor] = dict(state.replicated)
     reshard = reshard_mark(state)
     for index, (shard, spec, sink) in enumerate(zip(state.shards, specs, sinks, strict=True)):

@@ -50,7 +50,8 @@ from typing import Any
 import torch
 from torch import fx
 
-GATHER = "funcshard_gather"  # the meta["custom"] key of a gather's nodes: (index, unit, reshard)
+from funcshard.compiled import GATHER
+
 REGATHERED = "funcshard_regathered"  # meta flag of the backward copies of a gather chain
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default

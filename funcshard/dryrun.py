@@ -19,7 +19,8 @@ after forward]):
 - each unit's gradients come back from autograd one per parameter (a tied weight's partial
   gradients summed as autograd sums them), are concatenated into one full flat gradient,
   cast to the reduce dtype and reduced into a new shard-size tensor; issuing a reduce drops
-  the previous reduce's input (one reduce in flight, as `funcshard.gather._Throttle` keeps);
+  the previous reduce's input (one reduce in flight, as
+  `funcshard.deferred_reduce._Throttle` keeps);
 - the optimizer's `update` and `apply_updates` (or `step`, donating) run on the meta shards,
   and what the caller's variables stop holding is dropped where they would drop it (in a
   loop, the previous step's gradients and updates; see `carried`).
@@ -38,7 +39,7 @@ tensors (the unit's parameter views included) never reach `MetaStep.pack` and ar
 with forward, while the gather nodes stay in the graph and reduce as usual. In backward the
 recomputation runs the region's modules again after the model's call returned, when their
 slots hold placeholders. So while autograd runs, a global module pre-hook (the mirror of
-`funcshard.recompute.recomputing` and `sharded_call._Recomputation`) puts the units owning
+`funcshard.recompute.recomputing` and `call_recomputation.Recomputation`) puts the units owning
 parameters under a recomputed module back: its buffers regathered (allocated, with the
 prefetch of the unit before it) if they were resharded, as fresh leaves that require grad as
 forward's parameters did, so that autograd saves the same tensors; they come out when the

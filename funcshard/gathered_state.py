@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from funcshard import gather
+from funcshard.gather_spec import specs_and_sinks
 from funcshard.state import ShardedState, donatable, ensure_live
 from funcshard.tree import register_record
 
@@ -59,7 +60,7 @@ def keep_gathered(state: ShardedState) -> GatheredState:
     ensure_live(state, "keep_gathered")
     if isinstance(state, GatheredState):
         return state
-    specs, _ = gather.specs_and_sinks(state)
+    specs, _ = specs_and_sinks(state)
     pending = [gather.issue_gather(s, spec) for s, spec in zip(state.shards, specs, strict=True)]
     fields = {**_state_fields(state), "reshard_after_forward": False}
     return GatheredState(**fields, gathered=tuple(p.wait() for p in pending))

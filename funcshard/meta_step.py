@@ -1,6 +1,6 @@
 """A sharded state's buffers through one step, on the meta device (see [Note: dry run]).
 
-`MetaStep` mirrors `funcshard.sharded_call._Run` and `funcshard.regather.Regather` with
+`MetaStep` mirrors `funcshard.unit_schedule.Run` and `funcshard.regather.Regather` with
 allocations where they communicate: what is gathered, prefetched, resharded after forward,
 regathered in backward, and reduced with one reduce in flight. Keep the two in step: the
 estimate is only as right as this mirror (benchmarks/estimate.py and tests/test_estimate.py
@@ -45,7 +45,7 @@ class _Handle:
 
 class _Call:
     """One call of the model: what is gathered, prefetched and regathered (see
-    `funcshard.sharded_call._Run` and `funcshard.regather.Regather`)."""
+    `funcshard.unit_schedule.Run` and `funcshard.regather.Regather`)."""
 
     def __init__(self) -> None:
         self.full: dict[int, tuple[Tensor, ...]] = {}  # gathered in forward
@@ -163,7 +163,7 @@ class MetaStep:
         """The model's call starts: gather the whole-call units, cast the inputs."""
         call = self.current = _Call()
         self.calls.append(call)
-        for unit in range(len(self.binding.unit_names)):  # issued first (`_Run.start`)
+        for unit in range(len(self.binding.unit_names)):  # issued first (`UnitGathers.start`)
             if unit in self.binding.whole_call:
                 self._issue(call, unit)
         if self.prefetch and self.first_forward is not None:
@@ -240,7 +240,7 @@ class MetaStep:
         )
 
     def _relink(self, call: _Call, unit: int) -> None:
-        """A fresh gather node over a whole-call unit's buffers (see `_Run.relink`)."""
+        """A fresh gather node over a whole-call unit's buffers (see `Run.relink`)."""
         if unit in call.relinked or not self._trainable(unit) or not torch.is_grad_enabled():
             return
         call.relinked.add(unit)
@@ -316,7 +316,7 @@ class MetaStep:
     ) -> Iterator[None]:
         """During the block (backward), a module of `model` that runs again outside a call
         (a checkpointed region recomputed) gets its units' parameters back: regathered if
-        they were resharded, as `funcshard.sharded_call._Recomputation` does. The outermost
+        they were resharded, as `funcshard.call_recomputation.Recomputation` does. The outermost
         recomputed module runs under `modes()`: autograd runs backward without the torch
         function modes the step's forward ran under."""
         under = _units_under(model, self.binding)

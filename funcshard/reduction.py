@@ -10,10 +10,12 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from funcshard import collectives, gather
+from funcshard import collectives
 from funcshard.comm import Comm, check_carry
+from funcshard.gather_spec import GatherSpec
 from funcshard.layout import FlatLayout, Layout
 from funcshard.precision import reduce_dtype
+from funcshard.reduce_flat import reduce_whole
 from funcshard.state import LocalGrads, ShardedGrads, ShardedState
 from funcshard.tree import format_names
 
@@ -106,8 +108,8 @@ def _reduce_with(
         dtype = reduce_dtype(state.mp, flat)
         grads = [None if f in flat.frozen_fqns else full_grads.get(f) for f in flat.fqns]
         padded = _padded_flat(grads, flat, dtype, mesh.device)
-        spec = gather.GatherSpec(flat, mesh, state.mp, comm=comm)
-        grad, c = gather.reduce_whole(padded, spec, c, all_reduce, op)
+        spec = GatherSpec(flat, mesh, state.mp, comm=comm)
+        grad, c = reduce_whole(padded, spec, c, all_reduce, op)
         if divide_factor is not None:
             grad = grad / divide_factor
         shards.append(grad.to(flat.dtype))

@@ -16,7 +16,7 @@ frozen weight to compute its input's gradient, and LoRA's frozen base is most of
 beside trainable ones they go with their unit; a unit with no trainable buffer has no
 gather node to say when its backward is done, so its regathered buffers are dropped when
 backward asks for another unit. torch.func refuses saved-tensor hooks, so under its
-transforms nothing is resharded (see `funcshard.sharded_call`).
+transforms nothing is resharded (see `funcshard.unit_schedule`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch import Tensor
 from funcshard import chaos, collectives
 
 if TYPE_CHECKING:
-    from funcshard.sharded_call import _Run
+    from funcshard.unit_gathers import UnitGathers
 
 
 class _Handle:
@@ -54,7 +54,7 @@ class Regather:
     """The backward side of one resharding call: which buffers are gathered parameters, what
     backward has regathered, and the k-rank slices kept between forward and backward."""
 
-    def __init__(self, run: _Run) -> None:
+    def __init__(self, run: UnitGathers) -> None:
         self.run = run
         mesh = run.layout.mesh
         k = run.state.reshard_after_forward

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from funcshard import collectives, gather
 from funcshard.comm import Comm
+from funcshard.gather_spec import GatherSpec
 from funcshard.layout import FlatLayout, Layout, param_views
 from funcshard.materialize import local_slice
 from funcshard.state import ShardedState, ensure_live
@@ -66,7 +67,7 @@ def unshard_async(
             collectives.all_gather(state.shards[i].to(device), group, what=layout.flats[i].unit)
             if comm is None
             else gather.issue_gather(
-                state.shards[i], gather.GatherSpec(layout.flats[i], layout.mesh, None, comm=comm)
+                state.shards[i], GatherSpec(layout.flats[i], layout.mesh, None, comm=comm)
             ),
         )
         for i in indices

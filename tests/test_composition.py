@@ -389,10 +389,10 @@ def test_per_example_gradients_on_a_state_are_refused_with_the_reason():
 
 
 def _func_warning(rank: int) -> list[str]:
-    from funcshard import sharded_call
+    from funcshard import unit_schedule
 
     model, state, [(x, y)] = _setup("fsdp", rank)
-    sharded_call._warned_kept_gathered = False
+    unit_schedule._warned_kept_gathered = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):

@@ -14,6 +14,7 @@ from torch import nn
 
 import funcshard as fs
 from funcshard import gather, testing
+from funcshard.gather_spec import specs_and_sinks
 from funcshard.testing.memory import LiveTensors
 
 
@@ -115,7 +116,7 @@ def _concat_against_cat_then_cast(rank: int) -> list[bool]:
     out = []
     for reduce in (torch.bfloat16, torch.float16):
         state = fs.replicate(model, fs.Mesh(replicate=1), comm_dtype=reduce, bucket_mb=1e3)
-        specs, _ = gather.specs_and_sinks(state)
+        specs, _ = specs_and_sinks(state)
         for spec in specs:
             g = torch.Generator().manual_seed(1)
             grads = tuple(

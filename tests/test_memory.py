@@ -169,7 +169,7 @@ def test_live_tensor_bytes_stay_flat_across_steps(replicate):
 
 
 def _runs_left(rank: int) -> list:
-    from funcshard import sharded_call
+    from funcshard import unit_schedule
 
     model, state, x, y = _sharded_gpt(rank)
     left = []
@@ -179,7 +179,7 @@ def _runs_left(rank: int) -> list:
             fs.value_and_grad(
                 lambda s: F.cross_entropy(fs.call(model, s, x).flatten(0, 1), y.flatten())
             )(state)
-            left.append(sum(isinstance(o, sharded_call._Run) for o in gc.get_objects()))
+            left.append(sum(isinstance(o, unit_schedule.Run) for o in gc.get_objects()))
     finally:
         gc.enable()
     return left

@@ -260,14 +260,14 @@ def test_a_state_from_a_model_of_other_shapes_is_refused_naming_the_parameter(ca
 
 
 def _explicit_prefetch_trace(rank: int) -> tuple:
-    from funcshard import sharded_call
+    from funcshard import unit_gathers
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=3))
     state = fs.shard(model, fs.plan(model, policy=BLOCKS), fs.Mesh(shard=2))
     x, y = random_tokens(model.cfg, 2, seed=rank)
     issued = []
-    original = sharded_call._Run.issue
+    original = unit_gathers.UnitGathers.issue
 
     def logged(run, unit):
         if run.full[unit] is None and unit not in run.pending:
@@ -275,11 +275,11 @@ def _explicit_prefetch_trace(rank: int) -> tuple:
         return original(run, unit)
 
     order = fs.Prefetch(forward=("blocks.0", "blocks.2"), backward=("blocks.2", "blocks.0"))
-    sharded_call._Run.issue = logged
+    unit_gathers.UnitGathers.issue = logged
     try:
         loss, _ = fs.value_and_grad(functools.partial(_loss, model), prefetch=order)(state, x, y)
     finally:
-        sharded_call._Run.issue = original
+        unit_gathers.UnitGathers.issue = original
     expected_loss = fs.value_and_grad(functools.partial(_loss, model))(state, x, y)[0]
     try:
         bad = fs.Prefetch(forward=("b9",))
