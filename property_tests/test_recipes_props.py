@@ -26,9 +26,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from funcshard.testing import recipe
-from funcshard.testing.check import configurations, examine
+from funcshard.testing.examine import examine
 from funcshard.testing.harness import Case, Config
 from funcshard.testing.models import GPT, GPTConfig
+from funcshard.testing.search import configurations
 
 EXAMPLES = 200 if os.environ.get("HYPOTHESIS_PROFILE") == "long" else 6
 CFG = GPTConfig(n_layer=2)

@@ -6,39 +6,17 @@ in many configurations (FSDP, HSDP and DDP meshes of the world sizes given, plan
 `shard` and `unshard`, parity with one plain process, determinism, checkpoints that load at
 another world size, collectives, purity and gathered memory. See docs/check.md.
 
-[Note: hypothesis drives the configurations]
-A configuration (`laws.Config`) is drawn by a hypothesis strategy and checked by one
-`fs.testing.run` call that observes every law at once (see [Note: one run per
-configuration]); the parent judges the observations (funcshard/testing/judge.py). A
-configuration that breaks any law fails the inner hypothesis test, so hypothesis shrinks it
-toward the smallest mesh, the first policy and precision, seed 0, and the configuration it
-replays last is the smallest failure found. Each configuration runs once: results are kept
-by configuration, so hypothesis's repeated and replayed examples cost nothing.
-
-Hypothesis draws 20 times `examples` configurations, but only `examples` of them run: first
-one per mesh not yet checked (1 rank, FSDP, HSDP, DDP at each world size), each with recipe
-switches no earlier one had, then one per combination of mesh, policy, resharding,
-precision and recipe not yet checked; the rest count as passing without running. So a few
-examples cover the meshes, which hypothesis's own choice (it favours the first and last
-option) would not. Once a failure is found, at most `shrink_budget` new configurations run
-while shrinking, the others again counting as passing, so the smallest failure reported is
-always one that really failed. `seed` fixes the examples drawn; with a hypothesis
-`database` instead (hypothesis saves nothing from a seeded run), the failures saved by
-earlier checks are replayed first.
+Which configurations run, and how the smallest failure is found, is funcshard/testing/search.py
+(see [Note: hypothesis drives the configurations] there); each is checked by
+funcshard/testing/examine.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import hashlib
-import json
 import math
-import os
 import pickle
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,13 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from funcshard.optim_base import Optimizer
-from funcshard.testing import judge
-from funcshard.testing.harness import LAWS, MP, Case, Config, PhaseFailed, global_batch
-from funcshard.testing.laws import observe as _observe
+from funcshard.testing.harness import LAWS, Case, Config, global_batch
 from funcshard.testing.recipe import Axes, OptimizerChoice
 from funcshard.testing.report import LawResult, LawViolation, Report
-from funcshard.testing.resume import resume as _resume
-from funcshard.testing.runner import RankDied, run
+from funcshard.testing.search import Search, explore, qualified_name
 
 __all__ = ["LAWS", "LawResult", "LawViolation", "Report", "check", "default_loss"]
 
@@ -144,15 +119,15 @@ def check(
     worlds = _validated(case, world_sizes, steps, examples)
     micro = (1, 2) if axes.micro_batches and _splits(case, [2 * w for w in worlds]) else (1,)
     start = time.monotonic()
-    search = _Search(case, worlds, examples, shrink_budget, timeout, progress)
+    search = Search(case, worlds, examples, shrink_budget, timeout, progress)
     search.recipes = axes != Axes.none()
-    _explore(search, worlds, mixed_precision, axes, micro, examples, seed, database)
+    explore(search, worlds, mixed_precision, axes, micro, examples, seed, database)
     report = Report(
         results=tuple(r for results in search.results.values() for r in results),
         smallest=search.failing[-1] if search.failing else None,
         seed=seed if database is None else None,
         seconds=time.monotonic() - start,
-        model=_name(make_model),
+        model=qualified_name(make_model),
         notes=tuple(dict.fromkeys(search.notes)),
     )
     if raise_on_failure and not report.ok:
@@ -168,10 +143,6 @@ def default_loss(outputs: Any, targets: Tensor) -> Tensor:
     if targets.is_floating_point():
         return F.mse_loss(outputs, targets)
     return F.cross_entropy(outputs.flatten(0, -2).float(), targets.flatten())
-
-
-def _name(fn: Any) -> str:
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def _validated(
@@ -215,7 +186,7 @@ def _check_optimizer(optimizer: Any) -> None:
         pickle.dumps(optimizer)
     except (pickle.PicklingError, AttributeError, TypeError) as e:
         raise TypeError(
-            f"fs.testing.check: optimizer={_name(optimizer)} is sent to every rank, so it "
+            f"fs.testing.check: optimizer={qualified_name(optimizer)} is sent to every rank, so it "
             f"must pickle by reference, got {e}. Define the factory as a module-level "
             f"function returning an fs.optim.Optimizer (not a lambda or closure), or pass "
             f"functools.partial of one."
@@ -223,7 +194,7 @@ def _check_optimizer(optimizer: Any) -> None:
     made = optimizer()
     if not isinstance(made, Optimizer):
         raise TypeError(
-            f"fs.testing.check: optimizer={_name(optimizer)} must return an "
+            f"fs.testing.check: optimizer={qualified_name(optimizer)} must return an "
             f"fs.optim.Optimizer, got {type(made).__name__}. Return "
             f"fs.optim.Optimizer(init, update)."
         )
@@ -262,273 +233,3 @@ def _check_batch(case: Case, worlds: tuple[int, ...]) -> None:
             f"world sizes {bad}. Return a batch whose size every world size divides (e.g. "
             f"{math.lcm(*worlds)} rows), or pass other world_sizes."
         )
-
-
-class _Search:
-    """The configurations checked so far, their results, and the failures in the order
-    hypothesis met them (see [Note: hypothesis drives the configurations])."""
-
-    def __init__(
-        self,
-        case: Case,
-        worlds: tuple[int, ...],
-        examples: int,
-        shrink_budget: int,
-        timeout: float,
-        progress: Callable[[str], None] | None,
-    ) -> None:
-        self.case, self.examples, self.shrink_budget = case, examples, shrink_budget
-        self.timeout, self.progress = timeout, progress
-        self.meshes = {
-            Config(w // s, s, ddp, "", True, None, 0, w).mesh_name
-            for w in worlds
-            for s in range(1, w + 1)
-            if w % s == 0
-            for ddp in ((False, True) if s == 1 and w > 1 else (False,))
-        }
-        self.results: dict[Config, list[LawResult]] = {}
-        self.failing: list[Config] = []
-        self.notes: list[str] = []
-        self.shrunk = 0
-        self.recipes = False  # whether recipe switches are drawn (each mesh then its own)
-
-    def examine(self, config: Config) -> None:
-        """Check `config` (once); raise `_Failed` if it breaks a law."""
-        if config not in self.results:
-            if not self._worth_running(config):
-                return  # counted as passing (see the Note)
-            self.shrunk += bool(self.failing)
-            started = time.monotonic()
-            self.results[config] = self._check(config)
-            if self.progress is not None:
-                failed = [r.law for r in self.results[config] if r.failed]
-                verdict = f"FAIL {', '.join(failed)}" if failed else "ok"
-                self.progress(f"{config}: {verdict} ({time.monotonic() - started:.1f} s)")
-        if any(r.failed for r in self.results[config]):
-            self.failing.append(config)
-            raise _Failed(config)
-
-    def _worth_running(self, config: Config) -> bool:
-        """While shrinking, whether the budget allows one more; before, whether `examples`
-        allows one more and the configuration adds a mesh not yet checked (once every mesh
-        was, a combination of mesh, policy, resharding and precision not yet checked)."""
-        if self.failing:
-            return self.shrunk < self.shrink_budget
-        if len(self.results) >= self.examples:
-            return False
-        seen = {c.mesh_name for c in self.results}
-        if seen < self.meshes:  # each mesh with a combination of recipe switches of its own
-            recipes = {c.recipe for c in self.results} if self.recipes else set()
-            return config.mesh_name not in seen and config.recipe not in recipes
-        return _kind(config) not in {_kind(c) for c in self.results}
-
-    def _check(self, config: Config) -> list[LawResult]:
-        return examine(self.case, config, self.timeout, self.notes)
-
-
-def examine(
-    case: Case, config: Config, timeout: float = 120.0, notes: list[str] | None = None
-) -> list[LawResult]:
-    """Check one configuration: every law of `case.laws`, judged (see [Note: one run per
-    configuration]); a note for `notes` when the model had to be built on the CPU."""
-    path = tempfile.mkdtemp(prefix="funcshard-check-")
-    try:
-        task = functools.partial(_observe, case, config, path)
-        observed = _run(task, config.world, timeout)
-        resumed = None
-        if "checkpoint" in case.laws and not isinstance(observed, PhaseFailed):
-            saved = {
-                **observed[0]["run"]["saved"],
-                "buffers": [o["run"]["saved"]["buffers"] for o in observed],
-            }
-            task = functools.partial(_resume, case, config, path, saved)
-            resumed = _run(task, config.resume_world, timeout)
-        built_on_cpu = not isinstance(observed, PhaseFailed) and observed[0]["built_on"] == "cpu"
-        if built_on_cpu and notes is not None:
-            notes.append(
-                "built on the CPU: fs.shard could not initialize the model on the meta "
-                "device (some tensor has no reset_parameters()); meta=False skips the try"
-            )
-        return judge.judge(case, config, observed, resumed)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _run(task: Callable[[int], Any], world: int, timeout: float) -> list[Any] | PhaseFailed:
-    """Run `task` on `world` ranks; a rank's `PhaseFailed`, or a dead or hung rank (a
-    collective that differs across ranks), comes back as a `PhaseFailed`."""
-    try:
-        return run(task, world_size=world, timeout=timeout)
-    except PhaseFailed as e:
-        return e
-    except (RankDied, TimeoutError) as e:
-        if isinstance(e.__cause__, PhaseFailed):
-            return e.__cause__
-        lines = "\n".join(str(e).splitlines()[:4])
-        return PhaseFailed("collectives", f"{type(e).__name__}: {lines}")
-
-
-def _kind(config: Config) -> tuple:
-    """A configuration without its seed and resume world size."""
-    return (config.mesh_name, config.policy, config.reshard_after_forward, config.mp, config.recipe)
-
-
-class _Failed(Exception):
-    """A configuration broke a law (what fails the inner hypothesis test)."""
-
-
-# What `_simplify` tries, in order: the seed, then each recipe switch at its simplest.
-_SIMPLEST = (
-    {"seed": 0},
-    {"compiled": False},
-    {"comm": False},
-    {"micro_batches": 1},
-    {"checkpointing": False},
-    {"frozen": False},
-    {"groups": False},
-    {"schedule": False},
-    {"clip": False},
-)
-
-
-def _simplify(search: _Search) -> None:
-    """Finish shrinking where hypothesis's budget ran out: try the smallest failure with the
-    seed 0 and each recipe switch off, one at a time, keeping each change under which it
-    still fails. With eight switches to turn off, hypothesis's own shrinking seldom gets
-    to them all within a small budget; this costs at most one run per switch."""
-    config = search.failing[-1]
-    for change in _SIMPLEST:
-        simpler = dataclasses.replace(config, **change)
-        if simpler == config:
-            continue
-        if simpler not in search.results:
-            search.results[simpler] = search._check(simpler)
-        if any(r.failed for r in search.results[simpler]):
-            config = simpler
-            search.failing.append(config)
-
-
-def _explore(
-    search: _Search,
-    worlds: tuple[int, ...],
-    mixed_precision: bool,
-    axes: Axes,
-    micro: tuple[int, ...],
-    examples: int,
-    seed: int,
-    database: Any,
-) -> None:
-    """Let hypothesis draw, check and shrink configurations (see the Note)."""
-    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
-    from hypothesis import seed as seeded
-    from hypothesis.database import DirectoryBasedExampleDatabase
-    from hypothesis.errors import Flaky
-
-    if isinstance(database, str | os.PathLike):
-        database = DirectoryBasedExampleDatabase(os.fspath(database))
-    policies = ("given",) if search.case.policy is not None else ("blocks", "size", "root")
-    precisions = (None, "bf16") if mixed_precision else (None,)
-
-    @settings(
-        max_examples=20 * examples,  # most are skipped at once (see _Search._worth_running)
-        deadline=None,
-        database=database,
-        derandomize=False,
-        phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
-        suppress_health_check=list(HealthCheck),
-        verbosity=Verbosity.quiet,
-        report_multiple_bugs=False,
-        print_blob=False,
-    )
-    @given(configurations(worlds, policies, precisions, axes, micro))
-    def laws_hold(config: Config) -> None:
-        search.examine(config)
-
-    # failures saved in a database are the model's and options', not this function's (whose
-    # digest hypothesis would use: every check would replay every model's failures)
-    key = repr((_name(search.case.make_model), worlds, policies, precisions, axes)).encode()
-    laws_hold._hypothesis_internal_database_key = hashlib.sha256(key).digest()
-    simplest = hashlib.sha256(key + b" simplified").digest()  # `_simplify`'s, saved by us
-    if database is None:  # hypothesis saves nothing from a seeded run
-        seeded(seed)(laws_hold)
-    else:
-        _replay(search, database.fetch(simplest))
-    try:
-        laws_hold()
-    except _Failed:
-        pass
-    except Flaky:  # a replay that did not fail again: the failures are recorded all the same
-        if not search.failing:
-            raise
-    if search.failing:
-        _simplify(search)
-        if database is not None:
-            database.save(simplest, json.dumps(dataclasses.asdict(search.failing[-1])).encode())
-
-
-def _replay(search: _Search, saved: Any) -> None:
-    """Check first the smallest failures `_simplify` saved in the database (hypothesis
-    replays only its own)."""
-    for blob in saved:
-        try:
-            config = Config(**json.loads(blob))
-        except (ValueError, TypeError):  # another version's: nothing to replay
-            continue
-        with contextlib.suppress(_Failed):
-            search.examine(config)
-
-
-def configurations(
-    worlds: tuple[int, ...],
-    policies: tuple[str, ...] = ("blocks", "size", "root"),
-    precisions: tuple[str | None, ...] = (None,),
-    axes: Axes | None = None,
-    micro: tuple[int, ...] = (1, 2),
-) -> Any:
-    """A hypothesis strategy of `Config`s; each shrinks toward the smallest world size (then
-    the fewest shards), the first policy and precision listed, resharding after forward,
-    seed 0, and every recipe switch off. `axes` says which recipe switches are drawn (none
-    by default); `micro` the numbers of micro-batches."""
-    from hypothesis import strategies as st
-
-    from funcshard.testing.strategies import meshes
-
-    unknown = [p for p in precisions if p is not None and p not in MP]
-    if unknown:
-        raise ValueError(f"fs.testing.check: precisions must be among {list(MP)}, got {unknown}.")
-
-    @st.composite
-    def draw_config(draw: st.DrawFn) -> Config:
-        seed = draw(st.integers(0, 99))  # first: shrinking reaches 0 within a small budget
-        mesh = draw(meshes(worlds))
-        ddp = mesh.shard == 1 and mesh.replicate > 1 and draw(st.booleans())
-        reshard: bool | int = not ddp
-        if mesh.shard > 1:
-            ks = [k for k in range(2, mesh.shard) if mesh.shard % k == 0]
-            reshard = draw(st.sampled_from([True, False, *ks]))
-        others = [w for w in worlds if w != mesh.world_size] or [mesh.world_size]
-        on = axes if axes is not None else Axes.none()
-
-        def switch(drawn: bool) -> bool:
-            return drawn and draw(st.booleans())
-
-        return Config(
-            replicate=mesh.replicate,
-            shard=mesh.shard,
-            ddp=ddp,
-            policy="buckets" if ddp else draw(st.sampled_from(policies)),
-            reshard_after_forward=reshard,
-            mp=draw(st.sampled_from(precisions)),
-            seed=seed,
-            resume_world=draw(st.sampled_from(others)),
-            checkpointing=switch(on.checkpointing),
-            frozen=switch(on.frozen),
-            compiled=switch(on.compiled),
-            clip=switch(on.clip),
-            micro_batches=draw(st.sampled_from(micro)) if on.micro_batches else 1,
-            groups=switch(on.groups),
-            schedule=switch(on.schedule),
-            comm=switch(on.comm and mesh.shard > 1),  # see recipe.REFUSED
-        )
-
-    return draw_config()
