@@ -8,13 +8,13 @@ from funcshard import testing as testing
 from funcshard.autodiff import accumulate as accumulate
 from funcshard.autodiff import grad as grad
 from funcshard.autodiff import value_and_grad as value_and_grad
-from funcshard.collectives import CollectiveError as CollectiveError
 from funcshard.comm import Comm as Comm
 from funcshard.comm import MeshAxis as MeshAxis
 from funcshard.comm import carry_zeros as carry_zeros
 from funcshard.estimate import Estimate as Estimate
 from funcshard.estimate import estimate as estimate
 from funcshard.failfast import fail_fast as fail_fast
+from funcshard.failures import CollectiveError as CollectiveError
 from funcshard.finite import NonFiniteError as NonFiniteError
 from funcshard.gathered_state import GatheredState as GatheredState
 from funcshard.gathered_state import keep_gathered as keep_gathered

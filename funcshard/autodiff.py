@@ -17,7 +17,7 @@ import optree
 import torch
 from torch import Tensor
 
-from funcshard import collectives, finite, gc_pause, host_memory, recompute, waits
+from funcshard import failures, finite, gc_pause, host_memory, recompute, waits
 from funcshard.comm import Comm, check_carry
 from funcshard.deferred_reduce import abandon_reduces
 from funcshard.gather_spec import Differentiated, specs_and_sinks
@@ -80,10 +80,10 @@ def value_and_grad(
     def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         if torch.compiler.is_compiling():
             return step(params, *args, **kwargs)
-        start = collectives.count_issued()
+        start = failures.count_issued()
         try:
             return step(params, *args, **kwargs)
-        except BaseException as error:  # see [Note: a rank out of step] in collectives.py
+        except BaseException as error:  # see [Note: a rank out of step] in failures.py
             if isinstance(params, ShardedState):
                 ranks = params.layout.mesh.ranks
                 waits.left_step("funcshard.value_and_grad", error, start, ranks)

@@ -27,6 +27,8 @@ from typing import TypeVar
 
 import torch
 
+from funcshard import process_groups
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -45,9 +47,7 @@ class Chaos:
 
     def hit(self) -> None:
         if self._rng is None:  # the rank is known only once the process group is up
-            from funcshard.collectives import global_rank  # which imports this module
-
-            rank = global_rank()
+            rank = process_groups.global_rank()
             self._rng = random.Random(f"{self.seed}/{rank}")
         self.points += 1
         rng = self._rng

@@ -39,7 +39,9 @@ from funcshard import (
     checkpoint_dir,
     checkpoint_match,
     collectives,
+    dcp,
     integrity,
+    process_groups,
     rank_values,
 )
 from funcshard.checkpoint_dir import CheckpointConflict as CheckpointConflict
@@ -82,7 +84,7 @@ def save(
         raise ValueError(f"funcshard.checkpoint.save: keep must be an int >= 1, got {keep!r}.")
     mesh = state.layout.mesh
     group = mesh.group
-    rank = collectives.group_rank(group)
+    rank = process_groups.group_rank(group)
     try:  # on every rank; what any rank finds is raised on all below, never a hang
         described = optim_leaves(opt_state, state.layout)[0] if opt_state is not None else []
         report: Any = _report(state, described, step, extra)
@@ -108,7 +110,7 @@ def save(
         _stored_key(k, flat_of.get(k), per_rank, per_replica, mesh, rank): v
         for k, v in entries.items()
     }
-    collectives.dcp_save(routed, target, group)
+    dcp.dcp_save(routed, target, group)
     chunk_records = _checksummed(target, group) if checksums else None
     failed = None
     if rank == 0:
@@ -249,11 +251,11 @@ def _commit(root: str, name: str, meta: str, chunk_records: list[dict] | None, k
 
 def _checksummed(target: str, group: Any) -> list[dict]:
     """Every chunk's checksum record, each rank computing its share (all ranks get all)."""
-    share, shares = collectives.group_rank(group), group.size()
+    share, shares = process_groups.group_rank(group), group.size()
     try:
         mine: Any = integrity.checksum_share(target, share, shares)
     except Exception as e:  # reported on every rank below, never a hang
-        mine = f"rank {collectives.global_rank()}: {type(e).__name__}: {e}"
+        mine = f"rank {process_groups.global_rank()}: {type(e).__name__}: {e}"
     shares_ = collectives.all_gather_object(mine, group)
     failed = [s for s in shares_ if isinstance(s, str)]
     if failed:
@@ -340,7 +342,7 @@ def _unpack(like: Any) -> tuple[ShardedState, Any]:
 def _read(directory: str, state: ShardedState, opt_state: Any, per_rank: Any) -> tuple:
     """Load what `directory` holds into `like`'s layout: keys checked on every rank first."""
     mesh = state.layout.mesh
-    rank = collectives.group_rank(mesh.group)
+    rank = process_groups.group_rank(mesh.group)
     described, spec = optim_leaves(opt_state, state.layout) if opt_state is not None else ([], None)
     with open(os.path.join(directory, META)) as f:
         meta = json.load(f)
@@ -350,7 +352,7 @@ def _read(directory: str, state: ShardedState, opt_state: Any, per_rank: Any) ->
         directory, meta, (mesh.replicate_size, mesh.shard_size), rank, per_rank
     )
     routed, kept, scalars, problems = plan.route(template, like_scalars)
-    saved = collectives.dcp_sizes(directory)
+    saved = dcp.dcp_sizes(directory)
     numbers = set(scalars) if meta.get("scalars") is not None else set()
     report = (sorted({rank_values.base_key(k) for k in routed} | set(kept) | numbers),
               problems, checkpoint_match.shape_problems(saved, routed))  # fmt: skip
@@ -360,8 +362,8 @@ def _read(directory: str, state: ShardedState, opt_state: Any, per_rank: Any) ->
     checkpoint_match.warn_casts(directory, routed)
     extra = plan.extra()  # may refuse: the same on every rank
     try:
-        collectives.dcp_load(routed, directory, mesh.group)
-    except collectives.CheckpointReadError as e:  # DCP raises every rank's read errors on all
+        dcp.dcp_load(routed, directory, mesh.group)
+    except dcp.CheckpointReadError as e:  # DCP raises every rank's read errors on all
         raise integrity.CheckpointCorrupted(
             f"funcshard.checkpoint.load: {directory!r} could not be read "
             f"({_first_line(e)}). Its files are damaged or incomplete. "
@@ -386,7 +388,7 @@ def _open(root: str, group: Any) -> tuple[str, str | None]:
     retirement (its lease, returned there; None elsewhere). Communicates: one all-gather."""
     found: Any = None
     held = None
-    if collectives.group_rank(group) == 0:
+    if process_groups.group_rank(group) == 0:
         try:
             found, held = _hold(root)
         except (OSError, ValueError) as e:
@@ -461,7 +463,7 @@ def verify(path: str | os.PathLike) -> integrity.Report:
 def _verified(directory: str, group: Any) -> None:
     """Check the checkpoint's bytes against its checksums before anything reads them: each
     rank its share of the chunks; every rank raises if any rank found a mismatch."""
-    share, shares = collectives.group_rank(group), group.size()
+    share, shares = process_groups.group_rank(group), group.size()
     try:
         record = integrity.read(directory)
         if record is None and _saved_with_checksums(directory):

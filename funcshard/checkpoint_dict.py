@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcshard import collectives
+from funcshard import collectives, dcp
 from funcshard.layout import FlatLayout, Layout, shard_pieces
 from funcshard.optim_leaves import Packed
 from funcshard.state import ShardedState
@@ -122,7 +122,7 @@ def _split(prefix: str, shard: Tensor, lined: int | Packed, layout: Layout) -> d
     # Sharded over the shard axis only: each replica holds (and loads) all of it, and DCP's
     # save planner writes a chunk that several replicas hold once.
     return {
-        f"{prefix}/{fqn}": collectives.sharded_tensor(
+        f"{prefix}/{fqn}": dcp.sharded_tensor(
             [pieces[fqn]] if fqn in pieces else [], numel, mesh.shard_group
         )
         if numel
@@ -138,7 +138,7 @@ def _join(prefix: str, loaded: dict[str, Any], lined: int | Packed, layout: Layo
     size = flat.shard_numel if fqns is None else sum(p.stop - p.start for p in pieces)
     leaf = torch.zeros(size, dtype=flat.dtype, device=layout.mesh.device)
     for p in pieces:
-        for start, values in collectives.local_pieces(loaded[f"{prefix}/{flat.fqns[p.index]}"]):
+        for start, values in dcp.local_pieces(loaded[f"{prefix}/{flat.fqns[p.index]}"]):
             at = p.local - p.start + start  # the loaded piece's place in this rank's leaf
             leaf[at : at + values.numel()] = values.reshape(-1)
     return leaf

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from funcshard import collectives, rank_values
+from funcshard import collectives, dcp, rank_values
 from funcshard.tree import format_names
 
 
@@ -89,9 +89,9 @@ class LoadPlan:
 
 def shape_problems(saved: dict, routed: dict) -> list[str]:
     return [
-        f"{k} (saved {saved[k]}, expected {collectives.global_size(v)})"
+        f"{k} (saved {saved[k]}, expected {dcp.global_size(v)})"
         for k, v in routed.items()
-        if k in saved and saved[k] != collectives.global_size(v)
+        if k in saved and saved[k] != dcp.global_size(v)
     ]
 
 
@@ -122,12 +122,12 @@ def agree_on_keys(directory, saved, meta, report, with_optim, group) -> None:
 
 def warn_casts(directory: str, routed: dict) -> None:
     """Warn once, naming the leaves, when a load changes dtypes (DCP casts without a word)."""
-    saved = collectives.dcp_dtypes(directory)
+    saved = dcp.dcp_dtypes(directory)
     cast = [
         f"{k} ({str(saved[k]).removeprefix('torch.')} -> "
-        f"{str(collectives.global_dtype(v)).removeprefix('torch.')})"
+        f"{str(dcp.global_dtype(v)).removeprefix('torch.')})"
         for k, v in routed.items()
-        if k in saved and saved[k] != collectives.global_dtype(v)
+        if k in saved and saved[k] != dcp.global_dtype(v)
     ]
     if cast:
         warnings.warn(

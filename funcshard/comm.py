@@ -156,7 +156,7 @@ class MeshAxis:
         return self.mesh.shard_rank if self.name == "shard" else self.mesh.replicate_rank
 
     @property
-    def _group(self):  # a ProcessGroup (only collectives.py and mesh.py name the type)
+    def _group(self):  # a ProcessGroup (only the collectives family and mesh.py name the type)
         return self.mesh.shard_group if self.name == "shard" else self.mesh.replicate_group
 
     def all_gather(self, x: Tensor) -> Tensor:

@@ -29,7 +29,7 @@ import sys
 import traceback
 from collections.abc import Iterator
 
-from funcshard import collectives
+from funcshard import failures, process_groups
 
 EXIT_CODE = 1  # what torchrun's agent and a shell see: the rank failed
 
@@ -60,8 +60,9 @@ def _leave(error: Exception) -> None:
     """Record `error` for the other ranks, print it and end the process (see [Note: failing
     fast])."""
     with contextlib.suppress(Exception):  # leave even if the report fails
-        mine = f"rank {collectives.global_rank()} raised {type(error).__name__}: {_summary(error)}"
-        first = collectives.record_failure(mine)
+        rank = process_groups.global_rank()
+        mine = f"rank {rank} raised {type(error).__name__}: {_summary(error)}"
+        first = failures.record_failure(mine)
         if first is not None and first != mine and hasattr(error, "add_note"):
             error.add_note(f"fail_fast: {first} first; this rank's error may follow from it.")
         traceback.print_exception(error)

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcshard import chaos, collectives
+from funcshard import chaos, collectives, streams
 from funcshard.autograd_apply import apply_function
 from funcshard.deferred_reduce import THROTTLE, Deferred
 from funcshard.gather_spec import GatherSpec
@@ -79,7 +79,7 @@ def issue_gather(shard: Tensor, spec: GatherSpec) -> collectives.Pending:
     if collectives.alone(group):  # the copy is the result: made on the compute stream
         data = shard.detach().to(spec.device, spec.gather_dtype, non_blocking=shard.is_pinned())
         return collectives.Pending(data, done=True)
-    data = collectives.copy_in(shard.detach(), spec.device, spec.gather_dtype)
+    data = streams.copy_in(shard.detach(), spec.device, spec.gather_dtype)
     return collectives.all_gather(data, group, what=spec.flat.unit)
 
 

@@ -73,7 +73,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcshard import collectives
+from funcshard import collectives, process_groups
 from funcshard.integrity import CheckpointCorrupted
 from funcshard.layout import FlatLayout
 from funcshard.state import ShardedState, ensure_live
@@ -411,7 +411,7 @@ def agree_on_failure(problem: Exception | None, group: Any, where: str) -> None:
     mine = None if problem is None else (type(problem).__name__, str(problem))
     reports = collectives.all_gather_object(mine, group)
     ranks_of: dict[str, list[int]] = {}
-    for rank, report in zip(collectives.group_ranks(group), reports, strict=True):
+    for rank, report in zip(process_groups.group_ranks(group), reports, strict=True):
         if report is not None:
             ranks_of.setdefault(report[1].removeprefix(f"{where}: "), []).append(rank)
     if len(ranks_of) == 1 and all(reports):

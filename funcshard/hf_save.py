@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcshard import collectives, waits
+from funcshard import process_groups, waits
 from funcshard.hf import INDEX, SAVE, SHARD_FILE, WEIGHTS, agree_on_failure, check_state
 from funcshard.state import ShardedState, ensure_live
 from funcshard.unsharding import unshard
@@ -53,7 +53,7 @@ def save_hf(
     group = layout.mesh.group
     order = _write_order(state)
     files = _plan_files(order, limit)
-    writer = _Writer(root, files, dict(order)) if collectives.group_rank(group) == 0 else None
+    writer = _Writer(root, files, dict(order)) if process_groups.group_rank(group) == 0 else None
     if writer is not None:
         writer.prepare(config, config_text)
     agree_on_failure(writer.report() if writer else None, group, SAVE)
@@ -98,7 +98,7 @@ def _wait_for_the_writer(group: Any) -> None:
     [Note: waits long by nature]); a collective would wait only the mesh's timeout."""
     waits.every_rank_arrives(
         "save_hf",
-        collectives.group_ranks(group),
+        process_groups.group_ranks(group),
         WRITE_TIMEOUT,
         SAVE,
         "The first rank of the mesh writes the files; one that has not arrived is still "

@@ -26,7 +26,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from funcshard import collectives
+from funcshard import dcp
 
 CHECKSUMS = "funcshard.checksums.json"
 DCP_METADATA = ".metadata"
@@ -77,7 +77,7 @@ def chunks(directory: str) -> list[Chunk]:
     """Every chunk DCP wrote into `directory`, in a fixed order (from its metadata)."""
     found = [
         Chunk(fqn, tuple(offset), file, start, length)
-        for fqn, offset, file, start, length in collectives.dcp_storage(directory)
+        for fqn, offset, file, start, length in dcp.dcp_storage(directory)
     ]
     return sorted(found, key=lambda c: (c.file, c.start))
 

@@ -20,7 +20,7 @@ funcshard/compiled_schedule.py) names the unit whose all-gather or reduce-scatte
 `compiled_schedule.schedule` on the step's graph (see [Note: resharding a compiled step]),
 on the graphs it applies to (`_schedulable`).
 
-And it counts each call as the eager collectives are counted (`collectives.last_issued`:
+And it counts each call as the eager collectives are counted (`failures.last_issued`:
 "call k of compiled step 'train_step'", with how many collectives its graphs issued), from
 outside the graph, so that nothing traced reads funcshard's counters (see [Note:
 bookkeeping outside compiled graphs]).
@@ -57,9 +57,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from funcshard import collectives, compiled, compiled_schedule, host_memory
-from funcshard.collectives import CollectiveError
+from funcshard import compiled, compiled_schedule, failures, host_memory, process_groups
 from funcshard.compiled_schedule import inductor_pass, schedule, tag
+from funcshard.failures import CollectiveError
 from funcshard.state import ShardedState
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -112,7 +112,7 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
             _register_regroup(state)
         call = next(calls)
         before = _issued(state)
-        collectives.entering_compiled(name, call)
+        failures.entering_compiled(name, call)
         try:
             try:
                 out = run(args, kwargs)
@@ -127,11 +127,11 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
         except CollectiveError:
             raise
         except RuntimeError as error:
-            if not collectives.is_failure(error):
+            if not failures.is_failure(error):
                 raise
             raise _failed_inside(fn, state, before, error) from error
         finally:
-            collectives.left_compiled(name, call, _count(before, _issued(state)))
+            failures.left_compiled(name, call, _count(before, _issued(state)))
         if state is not None:  # see [Note: host memory kept between steps]
             host_memory.keep_for(state.layout.mesh.device_type)
         return out
@@ -307,7 +307,7 @@ def _axes(state: ShardedState | None) -> dict[str, Any]:
 
 def _issued(state: ShardedState | None) -> dict[str, int | None]:
     """How many collectives this rank has issued on each communicating axis of the mesh."""
-    return {axis: collectives.issued_count(group) for axis, group in _axes(state).items()}
+    return {axis: process_groups.issued_count(group) for axis, group in _axes(state).items()}
 
 
 def _failed_inside(
@@ -322,11 +322,11 @@ def _failed_inside(
         mesh = state.layout.mesh
         where = (
             f" over the mesh replicate={mesh.replicate} x shard={mesh.shard} "
-            f"(ranks {collectives.group_ranks(mesh.group)})"
+            f"(ranks {process_groups.group_ranks(mesh.group)})"
         )
         which = _which(state, before, _issued(state))
     return CollectiveError(
-        f"rank {collectives.global_rank()}: a collective inside the compiled step {name!r}"
+        f"rank {process_groups.global_rank()}: a collective inside the compiled step {name!r}"
         f"{where} did not complete: {cause}{which}\n"
         f"The other ranks did not join it in time: one died or hung, or the ranks took "
         f"different paths. Mesh(timeout=...) bounds the wait; run the step eagerly with "
@@ -354,6 +354,6 @@ def _which(state: ShardedState, before: dict[str, int | None], after: dict[str, 
         )
         lines.append(
             f"\nThe last collective this call issued on the {axis} axis was its #{k} there "
-            f"(ranks {collectives.group_ranks(group)}){unit}."
+            f"(ranks {process_groups.group_ranks(group)}){unit}."
         )
     return "".join(lines)

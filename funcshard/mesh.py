@@ -26,7 +26,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from funcshard import collectives, flight_recorder, progress, waits
+from funcshard import collective_checks, collectives, flight_recorder, progress, waits
 
 AXES = ("replicate", "shard")
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # NCCL's own default; gloo's is 30 minutes
@@ -47,7 +47,7 @@ class Mesh:
     `datetime.timedelta` or seconds as a number, positive and at most 365 days; by default
     10 minutes (NCCL's own default; torch's gloo default of 30 minutes does not apply), or
     the seconds in env FUNCSHARD_TIMEOUT. Past it the waiting ranks raise
-    `collectives.CollectiveError` naming the operation, the unit and the ranks. (On NCCL
+    `failures.CollectiveError` naming the operation, the unit and the ranks. (On NCCL
     torch's watchdog aborts the process instead.) It is set on the mesh's own groups; the
     default group keeps the caller's settings (a mesh with the same timeout shares it, any
     other uses a copy of it). Waits long by nature have bounds of their own (see [Note:
@@ -325,7 +325,7 @@ class Mesh:
             group = _OWN_WORLDS[key]
         _set_pg_timeout(self.timeout, group)
         if self.check_collectives:
-            collectives.check_group(group)
+            collective_checks.check_group(group)
         return group
 
     @property
@@ -473,6 +473,6 @@ def shutdown(timeout: timedelta | float = timedelta(seconds=30)) -> None:
     _SUBMESHES.clear()
     _REWRAPPED.clear()
     _OWN_WORLDS.clear()
-    collectives.forget_checked_groups()
+    collective_checks.forget_checked_groups()
     dist.destroy_process_group()
     progress.forget()  # a new process group publishes afresh

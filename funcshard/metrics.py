@@ -51,7 +51,7 @@ import optree
 import torch
 from torch import Tensor
 
-from funcshard import collectives
+from funcshard import collectives, process_groups
 from funcshard.groups import GroupView
 from funcshard.mesh import Mesh
 from funcshard.state import ShardedGrads, ensure_live
@@ -257,7 +257,7 @@ def _leaves(spec: optree.PyTreeSpec, tensors: list[Tensor]) -> list[tuple[str, s
 def _refuse(where: str, mine: list[tuple[str, str, str]], group: Any) -> None:
     """Raise, on every rank alike, naming how the ranks' leaves differ (the ranks' digests
     differed, so every rank is here)."""
-    ranks = collectives.group_ranks(group)
+    ranks = process_groups.group_ranks(group)
     theirs = collectives.all_gather_object(mine, group)
     found = _differences(ranks, theirs)
     shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")

@@ -8,7 +8,7 @@ store every rank already reaches: torchrun's, or the one `init_process_group` ma
 rank whose collective fails reads every rank's before it raises:
 
 - what: the count, op and unit of the last funcshard collective the rank issued (what
-  `collectives.last_issued` says; a compiled step counts as its call, "inside compiled
+  `failures.last_issued` says; a compiled step counts as its call, "inside compiled
   step k" while it runs), whether it is waiting in a collective right now, and when that
   last changed;
 - who writes: a daemon thread per process, every `INTERVAL` seconds, and only when

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from funcshard import collectives, compiled, inplace, recompute, waits
+from funcshard import compiled, failures, inplace, recompute, waits
 from funcshard.binding import bind, get_slot, restore_snapshot, set_slot, snapshot_slots
 from funcshard.call_recomputation import Recomputation
 from funcshard.comm import Comm
@@ -73,7 +73,7 @@ def call(
         return compiled.call(model, state, args, kwargs, buffers, mutable, method, comm)
     if _needs_sync(model, state, method, kwargs):  # see [Note: generate across ranks]
         kwargs = {**kwargs, "synced_gpus": True}
-    start = collectives.count_issued()
+    start = failures.count_issued()
     try:
         return _eager_call(
             model,
@@ -85,7 +85,7 @@ def call(
             comm=comm,
             **kwargs,
         )
-    except BaseException as error:  # see [Note: a rank out of step] in collectives.py
+    except BaseException as error:  # see [Note: a rank out of step] in failures.py
         waits.left_step("funcshard.call", error, start, state.layout.mesh.ranks)
         raise
 

@@ -13,7 +13,7 @@ import numbers
 import torch
 from torch import Tensor, nn
 
-from funcshard import collectives
+from funcshard import collectives, process_groups
 from funcshard.layout import Layout, layout_of
 from funcshard.materialize import Init, check_init, local_slice, materialize
 from funcshard.mesh import Mesh, check_mesh
@@ -232,7 +232,7 @@ _INT63 = (1 << 63) - 1  # a seed as an int64 for the all-gather (torch takes see
 
 
 def _per_rank(values: list[int], mesh: Mesh) -> str:
-    ranks = collectives.group_ranks(mesh.group)
+    ranks = process_groups.group_ranks(mesh.group)
     return ", ".join(f"{v} on rank {r}" for r, v in zip(ranks, values, strict=True))
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from torch import Tensor, nn
 
-from funcshard import collectives
+from funcshard import process_groups
 from funcshard.mesh import Mesh
 from funcshard.module import feed_tied, reparametrized
 from funcshard.plan import Plan
@@ -27,7 +27,7 @@ def full_state_dict(state: ShardedState) -> dict[str, Tensor] | None:
     than one unit beyond its shards while gathering.
     """
     layout = state.layout
-    first = collectives.group_rank(layout.mesh.group) == 0
+    first = process_groups.group_rank(layout.mesh.group) == 0
     params: dict[str, Tensor] = {}
     for unit in layout.units:
         gathered = unshard(state, units=[unit])

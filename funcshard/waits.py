@@ -30,7 +30,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from funcshard import collectives
+from funcshard import failures
 
 _POLL_S = 5.0  # how often a long wait looks for a failure recorded by fail_fast
 _ROUNDS: dict[tuple[str, tuple[int, ...]], int] = {}  # (name, ranks) -> completed waits
@@ -62,14 +62,14 @@ def every_rank_arrives(
         now = time.monotonic()
         first = None
         if now - failures_read > _POLL_S or now >= deadline:
-            first, failures_read = collectives.first_failure(), now
+            first, failures_read = failures.first_failure(), now
         if first is not None or now >= deadline:
             missing = [r for r, key in zip(ranks, keys, strict=True) if not store.check([key])]
             if not missing:
                 break
             store.delete_key(mine)  # not arrived: a later call waits in this round again
             recorded = f" First failure (recorded by fs.fail_fast): {first}." if first else ""
-            raise collectives.CollectiveError(
+            raise failures.CollectiveError(
                 f"{where}: every rank of {list(ranks)} within {_seconds(timeout)}, got "
                 f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} not there "
                 f"(rank {rank} waited).{recorded} {advice}"
@@ -85,7 +85,7 @@ def _all_there(store: dist.Store, keys: list[str], where: str, ranks: tuple[int,
     try:
         return store.check(keys)
     except Exception as e:  # the store went with the rank that hosted it
-        raise collectives.CollectiveError(
+        raise failures.CollectiveError(
             f"{where}: rank {dist.get_rank()} could not reach the process group's store while "
             f"waiting for ranks {list(ranks)}: {e}. The rank that hosted it has probably ended."
         ) from e
@@ -102,13 +102,13 @@ def left_step(where: str, error: BaseException, start: int, ranks: Sequence[int]
     """`where` raised `error` on this rank in a step that began at collective count `start`:
     unless every rank of `ranks` left at the same count within `SETTLE` (the same error on
     every rank), this rank is out of step (see [Note: a rank out of step] in
-    collectives.py). Costs nothing unless the step raised after issuing collectives."""
-    reason = collectives.interruption(error, start)
+    failures.py). Costs nothing unless the step raised after issuing collectives."""
+    reason = failures.interruption(error, start)
     if reason is None:
         return
     try:
         every_rank_arrives(
-            f"left-step-at-{collectives.count_issued()}", ranks, SETTLE, where, "(settling)"
+            f"left-step-at-{failures.count_issued()}", ranks, SETTLE, where, "(settling)"
         )
-    except collectives.CollectiveError:
-        collectives.out_of_step(f"{where} raised {reason}")
+    except failures.CollectiveError:
+        failures.out_of_step(f"{where} raised {reason}")

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
-from funcshard import collectives, owners
+from funcshard import owners, process_groups
 from funcshard.groups import GroupView
 from funcshard.leaves import leaves, with_leaves
 from funcshard.optim_base import Optimizer
@@ -140,10 +140,10 @@ def _mesh_group(mesh: Any) -> tuple[Any, int]:
     """The mesh's group and this rank's index in it, `replica * shard + shard rank` (the
     numbering owners.Plan uses; a mesh's group is built replica-major)."""
     rank = mesh.replicate_rank * mesh.shard_size + mesh.shard_rank
-    if mesh.size > 1 and collectives.group_rank(mesh.group) != rank:
+    if mesh.size > 1 and process_groups.group_rank(mesh.group) != rank:
         raise RuntimeError(
-            f"funcshard.optim.whole_params: rank {collectives.global_rank()} is rank "
-            f"{collectives.group_rank(mesh.group)} of its mesh's group but replica "
+            f"funcshard.optim.whole_params: rank {process_groups.global_rank()} is rank "
+            f"{process_groups.group_rank(mesh.group)} of its mesh's group but replica "
             f"{mesh.replicate_rank}, shard {mesh.shard_rank} of the mesh; build the mesh with "
             f"funcshard.Mesh (replica-major ranks)."
         )

@@ -90,19 +90,19 @@ def _killed_save(path: str, rank: int) -> dict:
     model, state, opt, opt_state = _setup(2)
     checkpoint.save(path, state, opt_state, step=1)
     state2, opt_state2, _ = _steps(model, state, opt, opt_state, [0], 2, rank)
-    real = checkpoint.collectives.dcp_save
+    real = checkpoint.dcp.dcp_save
 
     def dies_after_writing(state_dict, directory, *rest):
         real(state_dict, directory, *rest)
         raise RuntimeError("killed while saving")
 
-    checkpoint.collectives.dcp_save = dies_after_writing
+    checkpoint.dcp.dcp_save = dies_after_writing
     try:
         checkpoint.save(path, state2, opt_state2, step=2)
     except RuntimeError as e:
         error = str(e)
     finally:
-        checkpoint.collectives.dcp_save = real
+        checkpoint.dcp.dcp_save = real
     loaded, _, step, _ = checkpoint.load(path, like=(state, opt_state))
     same = all(torch.equal(a, b) for a, b in zip(loaded.shards, state.shards, strict=True))
     return {"error": error, "step": step, "same": same, "dirs": sorted(os.listdir(path))}
@@ -187,7 +187,7 @@ def test_checkpoint_metadata_is_not_unpickled_beyond_checkpoint_types(tmp_path):
     marker = tmp_path / "pwned"
     (directory / ".metadata").write_bytes(pickle.dumps(_Exploit(str(marker))))
     with pytest.raises(pickle.UnpicklingError, match=r"refusing to load (posix|os)\.system"):
-        checkpoint.collectives.dcp_sizes(str(directory))
+        checkpoint.dcp.dcp_sizes(str(directory))
     assert not marker.exists()
 
 
@@ -235,18 +235,18 @@ def test_from_state_dict_shards_a_plain_state_dict_and_names_what_is_missing():
 def _resave_same_step_then_die(path: str, rank: int) -> dict:
     _, state, _, _ = _setup(2)
     checkpoint.save(path, state, step=3)
-    real = checkpoint.collectives.dcp_save
+    real = checkpoint.dcp.dcp_save
 
     def dies(state_dict, directory, *rest):
         raise RuntimeError("killed before writing")
 
-    checkpoint.collectives.dcp_save = dies
+    checkpoint.dcp.dcp_save = dies
     try:
         checkpoint.save(path, state, step=3)  # the same step again
     except RuntimeError:
         pass
     finally:
-        checkpoint.collectives.dcp_save = real
+        checkpoint.dcp.dcp_save = real
     try:
         checkpoint.save(path, state, extra={"bad": torch.ones(1)})
     except TypeError as e:

@@ -216,14 +216,14 @@ def test_saves_with_keep_never_reuse_the_name_latest_points_to(tmp_path):
 def _dies_while_saving(path: str, rank: int) -> None:
     """Rank 1 dies after DCP wrote its files, before the checksums and the commit."""
     state, opt_state = _setup(0)
-    real = checkpoint.collectives.dcp_save
+    real = checkpoint.dcp.dcp_save
 
     def dcp_save_then_die(state_dict, directory, *rest):
         real(state_dict, directory, *rest)
         if rank == 1:
             os._exit(9)
 
-    checkpoint.collectives.dcp_save = dcp_save_then_die
+    checkpoint.dcp.dcp_save = dcp_save_then_die
     checkpoint.save(path, state, opt_state, step=9, keep=1)
 
 

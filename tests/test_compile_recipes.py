@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import funcshard as fs
-from funcshard import collectives, testing
+from funcshard import failures, testing
 from funcshard.testing.compare import assert_trees_close
 from funcshard.testing.dynamo import isolated
 
@@ -82,7 +82,7 @@ def _recipe_step(check_finite: bool, rank: int) -> dict:
         before = _graphs()
         compiled_metrics, *compiled = compiled_step(*compiled, x, y)
         graphs.append(_graphs() - before)
-        issued = collectives.last_issued()
+        issued = failures.last_issued()
         eager_metrics, *eager = step(*eager, x, y)
         metrics.append((compiled_metrics, eager_metrics))
     return {

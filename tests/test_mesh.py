@@ -117,16 +117,16 @@ def test_from_env_under_torchrun_shards_over_all_ranks():
 
 
 def _settings_stay_with_their_mesh(rank: int) -> tuple[bool, bool, bool]:
-    from funcshard import collectives
+    from funcshard import collective_checks
 
     checked = fs.Mesh(shard=2, check_collectives=True, timeout=timedelta(seconds=3))
     checked_group = checked.shard_group
     plain = fs.Mesh(shard=2)
     world = dist.group.WORLD
     return (
-        checked_group.group_name in collectives._checked_groups,
-        plain.shard_group.group_name in collectives._checked_groups,
-        world.group_name in collectives._checked_groups,
+        checked_group.group_name in collective_checks._checked_groups,
+        plain.shard_group.group_name in collective_checks._checked_groups,
+        world.group_name in collective_checks._checked_groups,
     )
 
 

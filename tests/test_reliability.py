@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcshard as fs
-from funcshard import collectives, testing
+from funcshard import collectives, exchange, failures, testing
 from funcshard.finite import NonFiniteError
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
@@ -45,7 +45,7 @@ def _rank1_never_joins(rank: int) -> tuple[str, float]:
     started = time.perf_counter()
     try:
         fs.unshard(state, units=["blocks.1"])
-    except collectives.CollectiveError as e:
+    except failures.CollectiveError as e:
         return str(e), time.perf_counter() - started
     return "no error", 0.0
 
@@ -88,7 +88,7 @@ def _diverging_batches(check: bool, rank: int) -> str:
     x = torch.randn(6 if rank == 0 else 3, 8)
     try:
         fs.value_and_grad(lambda s: fs.call(model, s, x))(state)
-    except collectives.CollectiveError as e:
+    except failures.CollectiveError as e:
         return str(e)
     return "no error"
 
@@ -337,7 +337,7 @@ def test_a_rank_killed_mid_step_makes_the_survivor_raise_naming_the_collective()
     with pytest.raises(testing.RankDied, match="rank 1 died with signal 9") as caught:
         testing.run(_rank1_killed_mid_forward, fresh=True, timeout=60)
     survivor = caught.value.__cause__
-    assert isinstance(survivor, collectives.CollectiveError), survivor
+    assert isinstance(survivor, failures.CollectiveError), survivor
     assert str(survivor).startswith("rank 0: all_gather of unit 'blocks.")
     assert "over ranks [0, 1] did not complete" in str(survivor)
     assert time.perf_counter() - started < 20
@@ -564,9 +564,9 @@ def test_a_reentrant_checkpoint_inside_a_sharded_call_is_refused_not_left_withou
 
 
 def test_collective_errors_name_the_root_unit_whose_name_is_empty():
-    assert collectives.unit_words("") == " of the root unit"
-    assert collectives.unit_words("blocks.0") == " of unit 'blocks.0'"
-    assert collectives.unit_words(None) == ""
+    assert failures.unit_words("") == " of the root unit"
+    assert failures.unit_words("blocks.0") == " of unit 'blocks.0'"
+    assert failures.unit_words(None) == ""
 
 
 @pytest.mark.timeout(120)
@@ -611,7 +611,7 @@ def _each_eager_collective(rank: int) -> dict:
         "all_to_all": collectives.all_to_all(x, group),
     }
     works = {
-        name: isinstance(p._work, dist.Work | collectives.Exchange) for name, p in issued.items()
+        name: isinstance(p._work, dist.Work | exchange.Exchange) for name, p in issued.items()
     }
     results = {name: p.wait().tolist() for name, p in reversed(issued.items())}
     assert x.tolist() == (torch.arange(6.0) * (rank + 1)).tolist()  # inputs not written
@@ -653,9 +653,9 @@ def _exchanges_in_flight(rank: int) -> tuple[list[list[float]], bool]:
         else:
             issued.append(collectives.all_gather(x, group))
     results = [p.wait().tolist() for p in reversed(issued)][::-1]
-    twin = collectives._carrier(group, 2, 0)  # messages to a lower rank: the group's twin
+    twin = exchange._carrier(group, 2, 0)  # messages to a lower rank: the group's twin
     same = twin is not group and dist.get_process_group_ranks(twin) == [0, 1, 2]
-    return results, same and collectives._carrier(group, 0, 2) is group
+    return results, same and exchange._carrier(group, 0, 2) is group
 
 
 def test_gloo_exchanges_in_flight_together_each_get_their_own_results_on_three_ranks():

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 import funcshard as fs
-from funcshard import collectives
+from funcshard import failures
 from funcshard.materialize import StillOnMeta
 from funcshard.rng import data_parallel_index, fold_in
 from funcshard.testing import recipe
@@ -52,7 +52,7 @@ def phase(law: str) -> Iterator[None]:
         yield
     except PhaseFailed:
         raise
-    except collectives.CollectiveError as e:
+    except failures.CollectiveError as e:
         raise PhaseFailed("collectives", first_lines(e)) from e
     except Exception as e:
         raise PhaseFailed(law, f"{type(e).__name__}: {first_lines(e)}") from e

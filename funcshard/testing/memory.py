@@ -22,7 +22,7 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from funcshard import collectives
+from funcshard import exchange
 
 
 class LiveTensors(TorchDispatchMode):
@@ -31,7 +31,7 @@ class LiveTensors(TorchDispatchMode):
     `watch(predicate)` also counts, at each op, how many live storages were produced by ops
     for which `predicate(func)` holds (e.g. all-gathers), in `peak_watched`. Watching
     `is_all_gather` also watches the outputs of gloo's exchange all-gathers, which dispatch
-    no all-gather op (see `collectives.observe_gathers`).
+    no all-gather op (see `exchange.observe_gathers`).
     """
 
     def __init__(self, watch: Callable[[Any], bool] | None = None) -> None:
@@ -58,7 +58,7 @@ class LiveTensors(TorchDispatchMode):
         torch.UntypedStorage.resize_ = resize_
         self._observing = contextlib.ExitStack()
         if self._watch is is_all_gather:
-            self._observing.enter_context(collectives.observe_gathers(self.watch_tensor))
+            self._observing.enter_context(exchange.observe_gathers(self.watch_tensor))
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
@@ -137,7 +137,7 @@ class LiveTensors(TorchDispatchMode):
 def is_all_gather(func: Any) -> bool:
     """True for the all-gather ops funcshard's gathers go through: the process group's own
     eagerly (see [Note: eager collectives through Work objects]), the functional op traced.
-    (A gloo exchange dispatches no all-gather op: see `collectives.observe_gathers`.)"""
+    (A gloo exchange dispatches no all-gather op: see `exchange.observe_gathers`.)"""
     name = str(func)
     return "all_gather_into_tensor" in name or "_allgather_base" in name
 

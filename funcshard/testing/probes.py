@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from funcshard import collectives
+from funcshard import collectives, failures
 from funcshard.binding import bind
 from funcshard.precision import gather_dtype
 from funcshard.state import ShardedState
@@ -73,7 +73,7 @@ def _tracking(name: str, issue: Callable[..., Any], issued: list[Issued]) -> Cal
         group = arguments.get("group", args[1] if len(args) > 1 else None)
         if group is None or group.size() == 1:
             return pending  # nothing was issued (or a stand-in whose group we cannot read)
-        issued.append(Issued(f"{name}{collectives.unit_words(arguments.get('what'))}"))
+        issued.append(Issued(f"{name}{failures.unit_words(arguments.get('what'))}"))
         return _Tracked(pending, issued[-1])
 
     return wrapper

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from funcshard import collectives
+from funcshard import exchange, failures
 from funcshard.mesh import shutdown
 
 
@@ -121,7 +121,7 @@ def _answer_probes(probe: Connection) -> None:
         except (EOFError, OSError):
             return  # the pool is closing
         try:
-            answer = collectives.last_issued()
+            answer = failures.last_issued()
         except Exception as e:  # never let the thread die: the next report would be empty
             answer = f"(unknown: {type(e).__name__}: {e})"
         with contextlib.suppress(OSError):
@@ -129,8 +129,8 @@ def _answer_probes(probe: Connection) -> None:
 
 
 def _run_task(rank: int, payload: bytes) -> bytes:
-    collectives.reset_issued()  # numbered per task, so the ranks' numbers compare
-    collectives.new_exchange_epoch()  # gloo exchanges tagged per task (see the function)
+    failures.reset_issued()  # numbered per task, so the ranks' numbers compare
+    exchange.new_epoch()  # gloo exchanges tagged per task (see the function)
     try:
         result = _loads_task(payload)(rank)
         return pickle.dumps(("ok", pickle.dumps(result)))

@@ -1,0 +1,174 @@
+"""Every call funcshard makes into torch.distributed.checkpoint (DCP): saving and loading, its
+metadata read safely, and the ShardedTensors that carry a rank's pieces of each parameter.
+Only the checkpoint code imports it; process groups come in as arguments."""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+
+@contextlib.contextmanager
+def _quiet_sharded_tensor() -> Iterator[None]:
+    """Silence torch's "we are deprecating ShardedTensor" FutureWarning, which it gives for
+    every ShardedTensor made, saved and loaded (on every rank, for every parameter).
+
+    funcshard keeps ShardedTensor on purpose: a parameter's pieces on a rank are wherever
+    the flat buffers cut it (uneven, possibly several or none per rank), which a DTensor's
+    placements cannot describe, and DCP reshards ShardedTensors across world sizes. Only
+    that message is silenced, only around funcshard's own calls into it.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="Please use DTensor instead", category=FutureWarning
+        )
+        yield
+
+
+def sharded_tensor(pieces: list[tuple[int, Tensor]], numel: int, group: ProcessGroup) -> Any:
+    """A 1-D tensor of `numel` elements sharded as (start, values) pieces across the group,
+    in the form torch.distributed.checkpoint saves and reshards (a ShardedTensor)."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+
+    rank = dist.get_rank()  # placements name global ranks, whatever the group
+    shards = [
+        Shard(
+            values.reshape(-1),
+            ShardMetadata([start], [values.numel()], f"rank:{rank}/{values.device}"),
+        )
+        for start, values in pieces
+    ]
+    with _quiet_sharded_tensor():
+        return ShardedTensor._init_from_local_shards(shards, [numel], process_group=group)
+
+
+def local_pieces(tensor: Any) -> list[tuple[int, Tensor]]:
+    """The (start, values) pieces of a sharded tensor that this rank holds."""
+    with _quiet_sharded_tensor():
+        return [(s.metadata.shard_offsets[0], s.tensor) for s in tensor.local_shards()]
+
+
+def global_size(tensor: Any) -> tuple[int, ...]:
+    """The full shape of a plain or sharded tensor."""
+    with _quiet_sharded_tensor():
+        return tuple(tensor.size())
+
+
+def dcp_save(state_dict: dict[str, Any], directory: str, group: ProcessGroup | None = None) -> None:
+    """Save through torch.distributed.checkpoint; every rank of `group` (the default group
+    when None) writes its own pieces."""
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_sharded_tensor():
+        dcp.save(state_dict, checkpoint_id=directory, process_group=group)
+
+
+class CheckpointReadError(RuntimeError):
+    """DCP could not read a checkpoint's files (raised on every rank: DCP gathers the
+    ranks' read errors)."""
+
+
+def dcp_load(state_dict: dict[str, Any], directory: str, group: ProcessGroup | None = None) -> None:
+    """Load in place into `state_dict`'s tensors, reading whichever saved pieces overlap
+    (collective over `group`, the default group when None)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet_sharded_tensor():
+            dcp.load(state_dict, storage_reader=_safe_reader(directory), process_group=group)
+    except CheckpointException as e:
+        raise CheckpointReadError(str(e)) from e
+
+
+def dcp_sizes(directory: str) -> dict[str, tuple[int, ...]]:
+    """The saved tensors' names and full shapes, from a checkpoint's metadata."""
+    metadata = _safe_reader(directory).read_metadata()
+    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
+
+
+def dcp_dtypes(directory: str) -> dict[str, torch.dtype]:
+    """The saved tensors' dtypes, from a checkpoint's metadata."""
+    metadata = _safe_reader(directory).read_metadata()
+    return {
+        k: v.properties.dtype
+        for k, v in metadata.state_dict_metadata.items()
+        if hasattr(v, "properties")
+    }
+
+
+def global_dtype(tensor: Any) -> torch.dtype:
+    """The dtype of a plain or sharded tensor."""
+    with _quiet_sharded_tensor():
+        if isinstance(tensor, Tensor) and not hasattr(tensor, "local_shards"):
+            return tensor.dtype
+        return tensor.metadata().tensor_properties.dtype
+
+
+def dcp_storage(directory: str) -> list[tuple[str, tuple[int, ...], str, int, int]]:
+    """Where DCP wrote each chunk: (FQN, chunk offset, file, byte offset, byte length)."""
+    metadata = _safe_reader(directory).read_metadata()
+    return [
+        (index.fqn, tuple(index.offset or ()), info.relative_path, info.offset, info.length)
+        for index, info in metadata.storage_data.items()
+    ]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata file and nothing else: weights_only semantics for metadata.
+
+    Tensor data is already read with `torch.load(weights_only=True)`; DCP reads its
+    `.metadata` with plain pickle, which would run whatever a crafted file names.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module.startswith("torch.distributed.checkpoint")
+            or (module == "torch" and name in _TORCH_NAMES)
+            or (module, name) in _OTHER_NAMES
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"funcshard.checkpoint: refusing to load {module}.{name} from checkpoint "
+                f"metadata; only torch.distributed.checkpoint's own types are allowed."
+            )
+        return super().find_class(module, name)
+
+
+_TORCH_NAMES = frozenset(
+    {"Size", "device", "layout", "strided", "contiguous_format", "preserve_format"}
+    | {str(d).removeprefix("torch.") for d in vars(torch).values() if isinstance(d, torch.dtype)}
+)
+_OTHER_NAMES = frozenset(
+    {("collections", "OrderedDict"), ("builtins", "slice"), ("torch.serialization", "_get_layout")}
+    | {("pathlib", n) for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
+)
+
+
+def _safe_reader(directory: str) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        """A FileSystemReader whose metadata is read by `_MetadataUnpickler`."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(directory)
