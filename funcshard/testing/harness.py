@@ -21,10 +21,19 @@ import optree
 import torch
 from torch import Tensor, nn
 
-import funcshard as fs
-from funcshard import failures
+from funcshard import collectives, jit, policy, sharded_call
+from funcshard.autodiff import accumulate, value_and_grad
 from funcshard.materialize import StillOnMeta
+from funcshard.mesh import Mesh
+from funcshard.optim_base import Optimizer
+from funcshard.optim_params import apply_updates
+from funcshard.plan import plan
+from funcshard.precision import MixedPrecision
+from funcshard.reduction import reduce
+from funcshard.replicate import replicate
 from funcshard.rng import data_parallel_index, fold_in
+from funcshard.sharding import shard
+from funcshard.state import ShardedState
 from funcshard.testing import recipe
 
 LAWS = ("round_trip", "parity", "determinism", "checkpoint", "collectives", "purity", "memory")
@@ -52,7 +61,7 @@ def phase(law: str) -> Iterator[None]:
         yield
     except PhaseFailed:
         raise
-    except failures.CollectiveError as e:
+    except collectives.CollectiveError as e:
         raise PhaseFailed("collectives", first_lines(e)) from e
     except Exception as e:
         raise PhaseFailed(law, f"{type(e).__name__}: {first_lines(e)}") from e
@@ -152,12 +161,12 @@ def user_setup(case: Case) -> Iterator[None]:
         yield
 
 
-def mesh_of(config: Config) -> fs.Mesh:
+def mesh_of(config: Config) -> Mesh:
     """The configuration's mesh, every collective compared across ranks before it is issued."""
-    return fs.Mesh(replicate=config.replicate, shard=config.shard, check_collectives=True)
+    return Mesh(replicate=config.replicate, shard=config.shard, check_collectives=True)
 
 
-def build(case: Case, config: Config, mesh: fs.Mesh) -> tuple[nn.Module, fs.ShardedState, str]:
+def build(case: Case, config: Config, mesh: Mesh) -> tuple[nn.Module, ShardedState, str]:
     """Build and shard the model: on the meta device where `fs.shard` can initialize it
     (unless `case.meta` is False), else on the CPU after `torch.manual_seed(seed)`. Returns
     the model, its state and where it was built ("meta" or "cpu")."""
@@ -201,18 +210,18 @@ def _prepared(model: nn.Module, config: Config) -> nn.Module:
     return recipe.prepare(model, config.checkpointing, config.frozen)
 
 
-def _shard(case: Case, config: Config, model: nn.Module, mesh: fs.Mesh) -> fs.ShardedState:
+def _shard(case: Case, config: Config, model: nn.Module, mesh: Mesh) -> ShardedState:
     if config.ddp:  # about three buckets; mixed precision is DDP's compressed all-reduce
         mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 3 / 2**20
         dtype = MP[config.mp] if config.mp is not None else None
-        return fs.replicate(
+        return replicate(
             model, mesh, bucket_mb=mb, first_bucket_mb=mb / 2, comm_dtype=dtype, seed=config.seed
         )
     frozen = "split" if config.frozen else "error"
-    plan = fs.plan(model, policy=_policy(case, config.policy, model), frozen=frozen)
-    return fs.shard(
+    model_plan = plan(model, policy=_policy(case, config.policy, model), frozen=frozen)
+    return shard(
         model,
-        plan,
+        model_plan,
         mesh,
         mp=mixed_precision(config.mp),
         reshard_after_forward=config.reshard_after_forward,
@@ -220,11 +229,11 @@ def _shard(case: Case, config: Config, model: nn.Module, mesh: fs.Mesh) -> fs.Sh
     )
 
 
-def mixed_precision(name: str | None) -> fs.MixedPrecision | None:
+def mixed_precision(name: str | None) -> MixedPrecision | None:
     """bf16 or fp16 gathers and compute, fp32 reduction and outputs; None for fp32."""
     if name is None:
         return None
-    return fs.MixedPrecision(
+    return MixedPrecision(
         param_dtype=MP[name], reduce_dtype=torch.float32, output_dtype=torch.float32
     )
 
@@ -234,9 +243,9 @@ def _policy(case: Case, name: str, model: nn.Module) -> Any:
     if name == "given":
         return case.policy
     if name == "blocks":
-        return fs.policy.module_classes(_block_classes(model))
+        return policy.module_classes(_block_classes(model))
     if name == "size":
-        return fs.policy.size(max(1, sum(p.numel() for p in model.parameters()) // 4))
+        return policy.size(max(1, sum(p.numel() for p in model.parameters()) // 4))
     return None  # "root": one unit
 
 
@@ -261,7 +270,7 @@ def _as_bytes(t: Tensor) -> Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def optimizer(case: Case, config: Config) -> fs.optim.Optimizer:
+def optimizer(case: Case, config: Config) -> Optimizer:
     """AdamW with eps 1e-3 (see ADAMW_EPS), or SGD with momentum 0.9, at the case's rate, in
     groups, on a schedule and after clipping as the configuration says; or the case's own
     factory's optimizer, after clipping as the configuration says."""
@@ -285,7 +294,7 @@ def split(tree: Any, index: int, parts: int) -> Any:
     )
 
 
-def local_batch(case: Case, config: Config, step: int, mesh: fs.Mesh) -> tuple[Any, Any]:
+def local_batch(case: Case, config: Config, step: int, mesh: Mesh) -> tuple[Any, Any]:
     """This rank's micro-batch of step `step`: its data-parallel index's chunk."""
     inputs, targets = global_batch(case, config, step)
     index = data_parallel_index(mesh)
@@ -296,55 +305,55 @@ def call(model: nn.Module, params: Any, inputs: Any, **options: Any) -> Any:
     """`fs.call` with the inputs as `model(**inputs)` (a dict), `model(*inputs)` (a tuple or
     list) or `model(inputs)`."""
     if isinstance(inputs, dict):
-        return fs.call(model, params, **inputs, **options)
+        return sharded_call.call(model, params, **inputs, **options)
     if isinstance(inputs, tuple | list):
-        return fs.call(model, params, *inputs, **options)
-    return fs.call(model, params, inputs, **options)
+        return sharded_call.call(model, params, *inputs, **options)
+    return sharded_call.call(model, params, inputs, **options)
 
 
 Step = Callable[..., tuple[Tensor, Any, Any]]  # (state, opt_state, inputs, targets) -> ...
 
 
-def make_step(case: Case, config: Config, model: nn.Module, opt: fs.optim.Optimizer) -> Step:
+def make_step(case: Case, config: Config, model: nn.Module, opt: Optimizer) -> Step:
     """The standard step for this configuration, `(state, opt_state, inputs, targets) ->
     (this rank's loss, new state, new optimizer state)`: compiled with the case's backend
     when the configuration says so (one compiled function per training run)."""
     fn = functools.partial(_step, case, config, model, opt)
-    return fs.compile(fn, backend=case.backend) if config.compiled else fn
+    return jit.compile(fn, backend=case.backend) if config.compiled else fn
 
 
 def _step(
     case: Case,
     config: Config,
     model: nn.Module,
-    opt: fs.optim.Optimizer,
-    state: fs.ShardedState,
+    opt: Optimizer,
+    state: ShardedState,
     opt_state: Any,
     inputs: Any,
     targets: Any,
-) -> tuple[Tensor, fs.ShardedState, Any]:
+) -> tuple[Tensor, ShardedState, Any]:
     comm = recipe.USER_COMM if config.comm else None
     parts = config.micro_batches
 
-    def loss_of(state: fs.ShardedState, inputs: Any, targets: Any) -> tuple[Tensor, Any]:
+    def loss_of(state: ShardedState, inputs: Any, targets: Any) -> tuple[Tensor, Any]:
         out, buffers = call(model, state, inputs, mutable=True)
         return case.loss_fn(out, targets) / parts, buffers
 
     if parts == 1:
-        grad_fn = fs.value_and_grad(loss_of, has_aux=True, comm=comm)
+        grad_fn = value_and_grad(loss_of, has_aux=True, comm=comm)
         (loss, buffers), grads = grad_fn(state, inputs, targets)
         if buffers:
             state = state.replace(buffers=buffers)
     else:  # each micro-batch's loss divided by their number: fs.accumulate sums
-        grad_fn = fs.value_and_grad(loss_of, has_aux=True, reduce=False, comm=comm)
+        grad_fn = value_and_grad(loss_of, has_aux=True, reduce=False, comm=comm)
         local, losses = None, []
         for i in range(parts):
             part = split(inputs, i, parts), split(targets, i, parts)
             (loss, buffers), grads = grad_fn(state, *part)
             if buffers:
                 state = state.replace(buffers=buffers)
-            local = grads if local is None else fs.accumulate(local, grads)
+            local = grads if local is None else accumulate(local, grads)
             losses.append(loss)
-        grads, loss = fs.reduce(state, local, comm=comm), sum(losses)
+        grads, loss = reduce(state, local, comm=comm), sum(losses)
     updates, opt_state = opt.update(grads, opt_state, state)
-    return loss, fs.apply_updates(state, updates), opt_state
+    return loss, apply_updates(state, updates), opt_state

@@ -35,8 +35,11 @@ from typing import Any
 import optree
 from torch import Tensor, nn
 
-import funcshard as fs
 from funcshard import collectives
+from funcshard.chaos import chaos
+from funcshard.metrics import pmean
+from funcshard.rng import manual_seed
+from funcshard.state import ShardedState
 from funcshard.testing import probes
 from funcshard.testing.harness import (
     LAWS,
@@ -56,6 +59,7 @@ from funcshard.testing.harness import (
 )
 from funcshard.testing.reference import reference
 from funcshard.testing.resume import save
+from funcshard.unsharding import reshard, unshard
 
 __all__ = ["LAWS", "observe"]
 
@@ -75,13 +79,13 @@ def _observe(case: Case, config: Config, path: str | None, rank: int) -> dict[st
     values = _values(model)
     with phase("round_trip"):
         out["round_trip"] = _round_trip(model, state, built_on)
-        first = {k: v.clone() for k, v in fs.unshard(state).items()}
+        first = {k: v.clone() for k, v in unshard(state).items()}
         first_buffers = {k: v.clone() for k, v in state.buffers.items()}
     save_to = path if "checkpoint" in case.laws else None
     out["run"] = _train(case, config, model, state, names, rank, save_to)
     if "determinism" in case.laws:
         _, again, _ = build(case, config, state.layout.mesh)
-        with fs.testing.chaos(config.seed, delay_chance=0.3, max_delay=0.002, gc_chance=0.0):
+        with chaos(config.seed, delay_chance=0.3, max_delay=0.002, gc_chance=0.0):
             out["again"] = _train(case, config, model, again, names, rank, None)
         out["same_again"] = _same_runs(out["run"], out["again"])
     out["model_written"] = [
@@ -107,23 +111,23 @@ def _values(model: nn.Module) -> dict[str, Tensor]:
     return {k: t.detach().clone() for k, t in tensors.items() if not t.is_meta}
 
 
-def _round_trip(model: nn.Module, state: fs.ShardedState, built_on: str) -> list[str]:
+def _round_trip(model: nn.Module, state: ShardedState, built_on: str) -> list[str]:
     """What breaks the round trip: `reshard(unshard(state))` against the state, the model's
     own values (for a model built on the CPU), and padding that is not zero."""
-    full = fs.unshard(state)
-    back = fs.reshard(state, full)
+    full = unshard(state)
+    back = reshard(state, full)
     flats = state.layout.flats
     problems = [
         f"shard of {flat.name} changed through unshard and reshard"
         for a, b, flat in zip(state.shards, back.shards, flats, strict=True)
         if not bitwise(a, b)
     ]
-    again = fs.unshard(back)
+    again = unshard(back)
     problems += [
         f"{k} changed through reshard and unshard" for k in full if not bitwise(full[k], again[k])
     ]
     bumped = {k: v + 1 for k, v in full.items()}  # other values: a reshard that ignores them fails
-    through = fs.unshard(fs.reshard(state, bumped))
+    through = unshard(reshard(state, bumped))
     problems += [
         f"{k}: reshard lost new values" for k in full if not bitwise(bumped[k], through[k])
     ]
@@ -141,7 +145,7 @@ def _train(
     case: Case,
     config: Config,
     model: nn.Module,
-    state: fs.ShardedState,
+    state: ShardedState,
     names: dict[str, tuple],
     rank: int,
     save_to: str | None,
@@ -158,7 +162,7 @@ def _train(
                 run["saved"] = save(case, config, model, state, opt_state, s, save_to, rank)
         inputs, targets = local_batch(case, config, s, mesh)
         before = _copies((state, opt_state, inputs, targets))
-        fs.manual_seed(config.seed, mesh, s)
+        manual_seed(config.seed, mesh, s)
         with (
             _model_kept(model, names, s),
             phase("parity"),
@@ -169,12 +173,12 @@ def _train(
             loss, new_state, new_opt_state = step(state, opt_state, inputs, targets)
         run["mutated"] += _written(before, (state, opt_state, inputs, targets), s)
         state, opt_state = new_state, new_opt_state
-        run["losses"].append(fs.pmean(loss, mesh).item())
+        run["losses"].append(pmean(loss, mesh).item())
         run["collectives"].append([(r.op, len(r.ranks), r.numel, r.dtype) for r in log])
         run["unwaited"] += [f"step {s}: {i.what}" for i in issued if not i.waited]
         if memory is not None:
             run["gathered"] = (memory.peak_bytes, probes.gathered_bound(model, state))
-    run["final"] = {k: v.clone() for k, v in fs.unshard(state).items()}
+    run["final"] = {k: v.clone() for k, v in unshard(state).items()}
     run["shards"] = [s.clone() for s in state.shards]
     run["buffers"] = {k: v.clone() for k, v in state.buffers.items()}
     return run

@@ -48,8 +48,12 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-import funcshard as fs
 from funcshard.comm import Comm, MeshAxis
+from funcshard.optim_base import Optimizer
+from funcshard.optim_clipping import clip_by_global_norm
+from funcshard.optim_combinators import chain
+from funcshard.optim_kernels import adamw, sgd
+from funcshard.optim_partition import partition
 
 CLIP = 0.05  # small enough that a step's gradients are clipped, so clipping is checked
 WARMUP_STEPS = 3
@@ -126,31 +130,31 @@ def _scaled(rate: float, step: int) -> float:
     return rate * warmup(step)
 
 
-OptimizerChoice = str | Callable[[], fs.optim.Optimizer]  # "adamw", "sgd" or a user's factory
+OptimizerChoice = str | Callable[[], Optimizer]  # "adamw", "sgd" or a user's factory
 
 
 def optimizer(
     name: OptimizerChoice, lr: float, eps: float, groups: bool, schedule: bool, clip: bool
-) -> fs.optim.Optimizer:
+) -> Optimizer:
     """funcshard's optimizer for a configuration: AdamW (weight decay 0.01, `eps`) or SGD
     (momentum 0.9), in two groups, on a schedule and after clipping as the switches say; or
     a user's factory's optimizer, after clipping (its groups and rates are its own: `check`
     draws neither switch for it)."""
     if callable(name):
         made = name()
-        return fs.optim.chain(fs.optim.clip_by_global_norm(CLIP), made) if clip else made
+        return chain(clip_by_global_norm(CLIP), made) if clip else made
 
-    def one(rate: float, weight_decay: float) -> fs.optim.Optimizer:
+    def one(rate: float, weight_decay: float) -> Optimizer:
         lr_of = functools.partial(_scaled, rate) if schedule else rate
         if name == "sgd":
-            return fs.optim.sgd(lr_of, momentum=0.9, weight_decay=weight_decay)
-        return fs.optim.adamw(lr_of, eps=eps, weight_decay=weight_decay)
+            return sgd(lr_of, momentum=0.9, weight_decay=weight_decay)
+        return adamw(lr_of, eps=eps, weight_decay=weight_decay)
 
     decay = 0.0 if name == "sgd" else 0.01
     opt = one(lr, decay)
     if groups:
-        opt = fs.optim.partition({"matrices": opt, "others": one(lr / 2, 0.0)}, _group_label)
-    return fs.optim.chain(fs.optim.clip_by_global_norm(CLIP), opt) if clip else opt
+        opt = partition({"matrices": opt, "others": one(lr / 2, 0.0)}, _group_label)
+    return chain(clip_by_global_norm(CLIP), opt) if clip else opt
 
 
 @dataclass

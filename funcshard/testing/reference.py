@@ -26,7 +26,8 @@ import optree
 import torch
 from torch import Tensor, nn
 
-import funcshard as fs
+from funcshard.autodiff import value_and_grad
+from funcshard.optim_params import apply_updates
 from funcshard.testing import recipe
 from funcshard.testing.harness import (
     ADAMW_EPS,
@@ -77,7 +78,7 @@ def reference(
         for i in range(ranks * micro):
             rank = i // micro
             part = split(inputs, i, ranks * micro), split(targets, i, ranks * micro)
-            grad_fn = fs.value_and_grad(_loss, has_aux=True)  # recomputes checkpointed blocks
+            grad_fn = value_and_grad(_loss, has_aux=True)  # recomputes checkpointed blocks
             (loss, new), grads = grad_fn(
                 params, case, model, low, ranks * micro, rank_buffers[rank], *part
             )
@@ -110,7 +111,7 @@ def _functional_step(case: Case, config: Config, params: dict[str, Tensor]) -> A
 
     def step(params: dict[str, Tensor], grads: dict[str, Tensor | None]) -> dict[str, Tensor]:
         updates, state[0] = opt.update(grads, state[0], params)
-        return fs.apply_updates(params, updates)
+        return apply_updates(params, updates)
 
     return step
 

@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-import funcshard as fs
-from funcshard import collectives, groups
+from funcshard import checkpoint, collectives, groups
+from funcshard.metrics import pmean
+from funcshard.optim_partition import PartitionState
 from funcshard.owned import Owned
+from funcshard.state import ShardedState
 from funcshard.testing.harness import (
     Case,
     Config,
@@ -40,13 +42,14 @@ from funcshard.testing.harness import (
     split,
     user_setup,
 )
+from funcshard.unsharding import reshard, unshard
 
 
 def save(
     case: Case,
     config: Config,
     model: nn.Module,
-    state: fs.ShardedState,
+    state: ShardedState,
     opt_state: Any,
     at: int,
     path: str,
@@ -55,7 +58,7 @@ def save(
     """Save before step `at`; return what was saved (unsharded: the parameters and optimizer
     moments on rank 0, every rank's buffers) and the loss step `at` must have on the
     micro-batches of `config.resume_world` ranks."""
-    fs.checkpoint.save(path, state, opt_state, step=at)
+    checkpoint.save(path, state, opt_state, step=at)
     inputs, targets = global_batch(case, config, at)
     parts = config.resume_world * config.micro_batches  # every micro-batch it will run
     with torch.no_grad():  # every rank runs every micro-batch: calls communicate
@@ -63,7 +66,7 @@ def save(
             case.loss_fn(call(model, state, split(inputs, i, parts)), split(targets, i, parts))
             for i in range(parts)
         ]
-    params, moments = _clone(fs.unshard(state)), unsharded_moments(state, opt_state)
+    params, moments = _clone(unshard(state)), unsharded_moments(state, opt_state)
     return {
         **({"params": params, "moments": moments} if rank == 0 else {}),
         "buffers": _clone(state.buffers),  # every rank's: they may differ (BatchNorm)
@@ -86,11 +89,11 @@ def resume(case: Case, config: Config, path: str, saved: dict[str, Any], rank: i
         model, state, _ = build(case, config, mesh_of(config))
         opt = optimizer(case, config)
         fresh = opt.init(state)
-        loaded, loaded_opt, at, _ = fs.checkpoint.load(path, like=(state, fresh))
+        loaded, loaded_opt, at, _ = checkpoint.load(path, like=(state, fresh))
         buffers = _one_of(saved["buffers"], loaded.buffers)
         saved = {**saved, "buffers": buffers}
         problems = _differences("loaded", _unsharded(loaded, loaded_opt), saved)
-        direct = fs.reshard(state, saved["params"]).replace(buffers=buffers)
+        direct = reshard(state, saved["params"]).replace(buffers=buffers)
         direct_opt = _with_moments(direct, fresh, saved["moments"])
         step = make_step(case, config, model, opt)  # one compiled step for both
         ours = _continue(case, config, step, loaded, loaded_opt, at)
@@ -115,21 +118,21 @@ def _one_of(candidates: list[dict[str, Tensor]], buffers: dict[str, Tensor]) -> 
 
 
 def _continue(
-    case: Case, config: Config, step: Step, state: fs.ShardedState, opt_state: Any, at: int
+    case: Case, config: Config, step: Step, state: ShardedState, opt_state: Any, at: int
 ) -> dict[str, Any]:
     """Train from step `at` to the end with `step`; the losses, and the state unsharded."""
     losses = []
     for s in range(at, case.steps):
         inputs, targets = local_batch(case, config, s, state.layout.mesh)
         loss, state, opt_state = step(state, opt_state, inputs, targets)
-        losses.append(fs.pmean(loss, state.layout.mesh))
+        losses.append(pmean(loss, state.layout.mesh))
     return {"losses": [loss.item() for loss in losses], **_unsharded(state, opt_state)}
 
 
-def _unsharded(state: fs.ShardedState, opt_state: Any) -> dict[str, Any]:
+def _unsharded(state: ShardedState, opt_state: Any) -> dict[str, Any]:
     """Parameters, buffers and optimizer moments, unsharded (communicates)."""
     return {
-        "params": _clone(fs.unshard(state)),
+        "params": _clone(unshard(state)),
         "buffers": _clone(state.buffers),
         "moments": unsharded_moments(state, opt_state),
     }
@@ -139,7 +142,7 @@ def _clone(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in tensors.items()}
 
 
-def unsharded_moments(state: fs.ShardedState, opt_state: Any) -> dict[str, Any]:
+def unsharded_moments(state: ShardedState, opt_state: Any) -> dict[str, Any]:
     """The optimizer state's fields by dotted path (into nested states: a chain's, a
     partition's): those laid out like the shards (one per flat buffer: momentum, Adam's
     moments) unsharded by FQN with which buffers had one; the others (the step count) as they
@@ -162,7 +165,7 @@ def _fields(record: Any) -> list[tuple[str, Any]]:
     return []
 
 
-def _like_shards(value: Any, state: fs.ShardedState, parts: tuple | None = None) -> bool:
+def _like_shards(value: Any, state: ShardedState, parts: tuple | None = None) -> bool:
     """Whether `value` is one moment per leaf: per flat shard, or inside a partition group
     of sharded params per leaf of the group's view (`parts`)."""
     return (
@@ -175,12 +178,12 @@ def _like_shards(value: Any, state: fs.ShardedState, parts: tuple | None = None)
 
 def _groups(value: Any) -> tuple | None:
     """A partition's groups over sharded params ((name, parts) pairs), else None."""
-    if isinstance(value, fs.optim.PartitionState) and value.groups:
+    if isinstance(value, PartitionState) and value.groups:
         return value.groups
     return None
 
 
-def _as_shards(state: fs.ShardedState, value: Any, parts: tuple | None) -> tuple:
+def _as_shards(state: ShardedState, value: Any, parts: tuple | None) -> tuple:
     """Moments per flat shard (None where absent): a group's packed leaves spread back over
     their flat shards with zeros elsewhere, as `partition` spreads a group's updates;
     replicated parameters' moments left out."""
@@ -193,7 +196,7 @@ def _as_shards(state: fs.ShardedState, value: Any, parts: tuple | None) -> tuple
 
 
 def _unshard_fields(
-    state: fs.ShardedState,
+    state: ShardedState,
     record: Any,
     prefix: str,
     out: dict,
@@ -219,7 +222,7 @@ def _unshard_fields(
                 v if v is not None else torch.zeros_like(s)
                 for v, s in zip(shards, state.shards, strict=True)
             )
-            out[path] = (present, _clone(fs.unshard(state.replace(shards=filled))))
+            out[path] = (present, _clone(unshard(state.replace(shards=filled))))
         elif _fields(value):
             _unshard_fields(state, value, f"{path}.", out, sharded, parts)
         else:
@@ -234,7 +237,7 @@ def _replicated_moments(state, value, parts, path: str, out: dict) -> None:
             out[f"{path}/{part.fqns[0]}"] = v.detach().clone()
 
 
-def _every_key(state: fs.ShardedState, owned: Owned) -> dict[str, Any]:
+def _every_key(state: ShardedState, owned: Owned) -> dict[str, Any]:
     """Every rank's keys of an Owned state in one dict (replicas hold the same values)."""
     merged: dict[str, Any] = {}
     for states in collectives.all_gather_object(owned.states, state.layout.mesh.group):
@@ -242,7 +245,7 @@ def _every_key(state: fs.ShardedState, owned: Owned) -> dict[str, Any]:
     return dict(sorted(merged.items()))
 
 
-def _with_moments(state: fs.ShardedState, opt_state: Any, moments: dict[str, Any]) -> Any:
+def _with_moments(state: ShardedState, opt_state: Any, moments: dict[str, Any]) -> Any:
     """`opt_state` with the fields of `unsharded_moments` resharded into `state`'s layout
     (an Owned's keys: this rank's in `opt_state`, from the saved values)."""
     named = _named(opt_state, state)
@@ -250,7 +253,7 @@ def _with_moments(state: fs.ShardedState, opt_state: Any, moments: dict[str, Any
     return rebuilt["state"] if named is not opt_state else rebuilt
 
 
-def _named(opt_state: Any, state: fs.ShardedState) -> Any:
+def _named(opt_state: Any, state: ShardedState) -> Any:
     """A state that is itself an Owned, a partition's of sharded params or one moment per
     shard, as a record with one field, `state`; any other as it is."""
     bare = (
@@ -262,7 +265,7 @@ def _named(opt_state: Any, state: fs.ShardedState) -> Any:
 
 
 def _rebuilt(
-    state: fs.ShardedState,
+    state: ShardedState,
     record: Any,
     moments: dict[str, Any],
     prefix: str,
@@ -289,7 +292,7 @@ def _rebuilt(
             changes[name] = dataclasses.replace(value, states=states)
         elif sharded and _like_shards(value, state, parts):
             present, full = moments[path]
-            shards = fs.reshard(state, full).shards
+            shards = reshard(state, full).shards
             moments_again = [s if p else None for s, p in zip(shards, present, strict=True)]
             changes[name] = type(value)(_as_group(state, moments_again, parts, moments, path))
         elif _fields(value):
