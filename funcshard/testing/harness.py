@@ -21,7 +21,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from funcshard import collectives, jit, policy, sharded_call
+from funcshard import failures, jit, policy, sharded_call
 from funcshard.autodiff import accumulate, value_and_grad
 from funcshard.materialize import StillOnMeta
 from funcshard.mesh import Mesh
@@ -61,7 +61,7 @@ def phase(law: str) -> Iterator[None]:
         yield
     except PhaseFailed:
         raise
-    except collectives.CollectiveError as e:
+    except failures.CollectiveError as e:
         raise PhaseFailed("collectives", first_lines(e)) from e
     except Exception as e:
         raise PhaseFailed(law, f"{type(e).__name__}: {first_lines(e)}") from e
