@@ -21,7 +21,7 @@ from tabulate import tabulate
 
 import funcshard as fs
 from benchmarks.common import interleaved_medians
-from funcshard import demo, testing
+from funcshard import checkpoint_latest, demo, testing
 from funcshard.testing.models import GPT, Block, GPTConfig
 
 MODELS = {
@@ -57,7 +57,7 @@ def _rank(cfg: GPTConfig, rounds: int, root: str, rank: int) -> dict:
         warmup=1,
         rounds=rounds,
     )
-    latest = fs.checkpoint._latest(paths["with"])
+    latest = checkpoint_latest.latest(paths["with"])
     size = sum(os.path.getsize(os.path.join(latest, f)) for f in os.listdir(latest))
     return {"times": times, "mib": size / 2**20}
 

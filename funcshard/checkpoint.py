@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
-import warnings
 from typing import Any
 
 from torch import Tensor
@@ -45,6 +43,10 @@ from funcshard import (
     rank_values,
 )
 from funcshard.checkpoint_dir import CheckpointConflict as CheckpointConflict
+from funcshard.checkpoint_latest import META, open_checkpoint, previous_hint
+from funcshard.checkpoint_latest import CheckpointRetired as CheckpointRetired
+from funcshard.checkpoint_verify import verified
+from funcshard.checkpoint_verify import verify as verify
 from funcshard.hf import load_hf as load_hf
 from funcshard.hf_save import save_hf as save_hf
 from funcshard.integrity import CheckpointCorrupted as CheckpointCorrupted
@@ -54,8 +56,6 @@ from funcshard.state import ShardedState, ensure_live
 
 _optim_leaves = optim_leaves  # the name tests/test_optim_state_checkpoint.py reads
 LATEST = checkpoint_dir.LATEST
-META = "funcshard.json"
-READ_WAIT = 10.0  # seconds a load keeps re-reading LATEST while its checkpoint is retired
 
 
 def save(
@@ -320,10 +320,10 @@ def load(
     state, opt_state = _unpack(like)
     rank_values.check_option(per_rank)
     group = state.layout.mesh.group
-    directory, held = _open(os.fspath(path), group)
+    directory, held = open_checkpoint(os.fspath(path), group)
     try:
         if verify:
-            _verified(directory, group)
+            verified(directory, group)
         return _read(directory, state, opt_state, per_rank)
     finally:
         checkpoint_dir.release(held)
@@ -367,7 +367,7 @@ def _read(directory: str, state: ShardedState, opt_state: Any, per_rank: Any) ->
         raise integrity.CheckpointCorrupted(
             f"funcshard.checkpoint.load: {directory!r} could not be read "
             f"({_first_line(e)}). Its files are damaged or incomplete. "
-            f"{_previous_hint(directory)}"
+            f"{previous_hint(directory)}"
         ) from e
     loaded = {rank_values.base_key(k): v for k, v in routed.items()}
     own = checkpoint_dict.to_dcp(state, described)[0] if kept else {}
@@ -383,175 +383,5 @@ def _copy(value: Any) -> Any:
     return value.clone() if plain else value
 
 
-def _open(root: str, group: Any) -> tuple[str, str | None]:
-    """The checkpoint to load, resolved once by the mesh's first rank, which holds it against
-    retirement (its lease, returned there; None elsewhere). Communicates: one all-gather."""
-    found: Any = None
-    held = None
-    if process_groups.group_rank(group) == 0:
-        try:
-            found, held = _hold(root)
-        except (OSError, ValueError) as e:
-            found = (type(e).__name__, str(e))
-    found = collectives.all_gather_object(found, group)[0]
-    if isinstance(found, tuple):
-        checkpoint_dir.release(held)
-        kind, message = found
-        raise {"FileNotFoundError": FileNotFoundError, "CheckpointCorrupted": CheckpointCorrupted,
-               "CheckpointRetired": CheckpointRetired}.get(kind, OSError)(message)  # fmt: skip
-    return found, held
-
-
-class CheckpointRetired(OSError):
-    """The checkpoint a load asked for was retired by its writer while the load opened it."""
-
-
-def _hold(root: str) -> tuple[str, str | None]:
-    """Resolve LATEST and lease the checkpoint it names, again while a writer retires it
-    (see [Note: writers and readers of a checkpoint directory])."""
-    if os.path.exists(os.path.join(root, integrity.DCP_METADATA)):  # a checkpoint itself
-        parent, name = os.path.split(os.path.normpath(root))
-        held = checkpoint_dir.lease(parent, name) if _is_root(parent) else None
-        if checkpoint_dir.retiring(parent, name) or not os.path.exists(os.path.join(root, META)):
-            checkpoint_dir.release(held)
-            raise CheckpointRetired(
-                f"funcshard.checkpoint.load: {root!r} is being retired by the job that saved "
-                f"it (save(keep=N)). Load the latest instead: funcshard.checkpoint.load("
-                f"{parent!r}, like=...)."
-            )
-        return root, held
-    deadline = time.monotonic() + READ_WAIT
-    while True:
-        before = checkpoint_dir.read_latest(root)
-        try:
-            directory = _latest(root)
-        except integrity.CheckpointCorrupted:  # named, then retired: LATEST moved on since
-            if checkpoint_dir.read_latest(root) != before and time.monotonic() < deadline:
-                continue
-            raise
-        name = os.path.basename(directory)
-        held = checkpoint_dir.lease(root, name)
-        if not checkpoint_dir.retiring(root, name) and os.path.exists(
-            os.path.join(directory, META)
-        ):
-            return directory, held
-        checkpoint_dir.release(held)
-        if time.monotonic() > deadline:
-            raise CheckpointRetired(
-                f"funcshard.checkpoint.load: every checkpoint LATEST named under {root!r} for "
-                f"{READ_WAIT:.0f} s was retired by its writer (save(keep=N)) before this load "
-                f"could hold it, the last {name!r}. Save with a larger keep, or load a "
-                f"checkpoint directory no writer retires."
-            )
-        time.sleep(0.01)
-
-
-def _is_root(directory: str) -> bool:
-    return any(os.path.exists(os.path.join(directory, n)) for n in (LATEST, checkpoint_dir.HIDDEN))
-
-
-def verify(path: str | os.PathLike) -> integrity.Report:
-    """Check the checkpoint LATEST names under `path` (or the checkpoint directory `path`)
-    byte for byte against its checksums, offline: no process group needed."""
-    directory = _latest(os.fspath(path), "verify")
-    if integrity.read(directory) is None and _saved_with_checksums(directory):
-        missing = f"{os.path.join(directory, integrity.CHECKSUMS)}: missing"
-        return integrity.Report(directory, (f"{integrity.CHECKSUMS}: missing",), (missing,), True)
-    return integrity.verify(directory)
-
-
-def _verified(directory: str, group: Any) -> None:
-    """Check the checkpoint's bytes against its checksums before anything reads them: each
-    rank its share of the chunks; every rank raises if any rank found a mismatch."""
-    share, shares = process_groups.group_rank(group), group.size()
-    try:
-        record = integrity.read(directory)
-        if record is None and _saved_with_checksums(directory):
-            found: Any = [f"{os.path.join(directory, integrity.CHECKSUMS)}: missing"]
-        elif record is None:
-            found = None
-        else:
-            found = integrity.check_files(directory, record) + integrity.check_chunks(
-                directory, record, share, shares
-            )
-    except Exception as e:  # reported on every rank below, never a hang
-        found = [f"{directory}: {type(e).__name__}: {e}"]
-    everyone = collectives.all_gather_object(found, group)
-    if any(f is None for f in everyone):
-        warnings.warn(
-            f"funcshard.checkpoint.load: {directory!r} was saved without checksums "
-            f"(save(checksums=False), or before funcshard wrote them), so its bytes are not "
-            f"verified.",
-            stacklevel=3,
-        )
-        return
-    problems = sorted({p for f in everyone for p in f})
-    if problems:
-        listed = "\n  ".join(problems)
-        raise integrity.CheckpointCorrupted(
-            f"funcshard.checkpoint.load: {directory!r} is corrupted; nothing was loaded:\n  "
-            f"{listed}\n{_previous_hint(directory)}"
-        )
-
-
-def _saved_with_checksums(directory: str) -> bool:
-    """What funcshard.json says of the save (checkpoints before checksums do not say)."""
-    try:
-        with open(os.path.join(directory, META)) as f:
-            return bool(json.load(f).get("checksums", False))
-    except (OSError, ValueError):
-        return False
-
-
-def _previous_hint(directory: str) -> str:
-    """What to do instead: load the newest complete checkpoint before `directory` (any, when
-    its name is not a checkpoint's)."""
-    root, name = os.path.split(os.path.normpath(directory))
-    index = checkpoint_dir.index(name)
-    try:
-        found = checkpoint_dir.saves(root)
-    except OSError:
-        found = []
-    older = [
-        (i, n)
-        for i, n in found
-        if (index is None or i < index) and os.path.exists(os.path.join(root, n, META))
-    ]
-    if not older:
-        return "There is no earlier complete checkpoint under it to load instead."
-    previous = os.path.join(root, older[-1][1])
-    return (
-        f"Load the previous checkpoint instead: funcshard.checkpoint.load({previous!r}, "
-        f"like=...), and check it with `funcshard checkpoint verify {previous}`."
-    )
-
-
 def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else ""
-
-
-def _latest(root: str, caller: str = "load") -> str:
-    """The checkpoint LATEST names under `root`, or `root` itself if it is a checkpoint."""
-    if os.path.exists(os.path.join(root, integrity.DCP_METADATA)):
-        return root
-    pointer = os.path.join(root, LATEST)
-    if not os.path.isfile(pointer):
-        raise FileNotFoundError(
-            f"funcshard.checkpoint.{caller}: no complete checkpoint under {root!r} (no "
-            f"{LATEST} file). Save one with funcshard.checkpoint.save first."
-        )
-    with open(pointer, errors="replace") as f:
-        name = f.read().strip()
-    directory = os.path.join(root, name)
-    if checkpoint_dir.index(name) is None:
-        raise integrity.CheckpointCorrupted(
-            f"funcshard.checkpoint.{caller}: {pointer} holds {name[:80]!r}, not the name of "
-            f"a checkpoint (step-<n>-<k> or save-<k>): it was damaged or written by hand. "
-            f"{_previous_hint(os.path.join(root, LATEST))}"
-        )
-    if not os.path.isdir(directory):
-        raise integrity.CheckpointCorrupted(
-            f"funcshard.checkpoint.{caller}: {pointer} names {directory!r}, which is missing. "
-            f"{_previous_hint(directory)}"
-        )
-    return directory

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import funcshard as fs
-from funcshard import checkpoint, cli, integrity, testing
+from funcshard import checkpoint, checkpoint_latest, cli, integrity, testing
 
 
 def _setup(seed: int):
@@ -159,7 +159,7 @@ def test_a_checkpoint_saved_before_checksums_loads_with_a_warning(saved, tmp_pat
     shutil.copytree(saved, path)
     latest = _latest_dir(path)
     os.remove(os.path.join(latest, integrity.CHECKSUMS))
-    with open(os.path.join(latest, checkpoint.META), "w") as f:  # as older saves wrote it
+    with open(os.path.join(latest, checkpoint_latest.META), "w") as f:  # as older saves wrote it
         json.dump({"step": 2, "extra": None}, f)
     results = testing.run(functools.partial(_load, path), world_size=2, timeout=60)
     for r in results:
