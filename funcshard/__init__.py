@@ -8,9 +8,9 @@ from funcshard import testing as testing
 from funcshard.autodiff import accumulate as accumulate
 from funcshard.autodiff import grad as grad
 from funcshard.autodiff import value_and_grad as value_and_grad
+from funcshard.carry import carry_zeros as carry_zeros
 from funcshard.comm import Comm as Comm
 from funcshard.comm import MeshAxis as MeshAxis
-from funcshard.comm import carry_zeros as carry_zeros
 from funcshard.estimate import Estimate as Estimate
 from funcshard.estimate import estimate as estimate
 from funcshard.failfast import fail_fast as fail_fast
@@ -31,7 +31,7 @@ from funcshard.metrics import global_norm as global_norm
 from funcshard.metrics import pmean as pmean
 from funcshard.metrics import psum as psum
 from funcshard.module import extract as extract
-from funcshard.optim import apply_updates as apply_updates
+from funcshard.optim_params import apply_updates as apply_updates
 from funcshard.plan import Plan as Plan
 from funcshard.plan import Unit as Unit
 from funcshard.plan import plan as plan

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from funcshard import failures, finite, gc_pause, host_memory, recompute, waits
-from funcshard.comm import Comm, check_carry
+from funcshard.carry import check_carry
+from funcshard.comm import Comm
 from funcshard.deferred_reduce import abandon_reduces
 from funcshard.gather_spec import Differentiated, specs_and_sinks
 from funcshard.layout import param_views

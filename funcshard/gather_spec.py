@@ -63,7 +63,12 @@ class GatherSpec:
         # what a user's gather and reduce receive: see [Note: what a Comm is told about its
         # buffer]; over the replicate axis on a DDP mesh, whose shard axis has one rank
         axis = "replicate" if self.replicated else "shard"
-        object.__setattr__(self, "axis", MeshAxis.of_buffer(self.mesh, axis, self.flat))
+        object.__setattr__(self, "axis", _axis_of_buffer(self.mesh, axis, self.flat))
+
+
+def _axis_of_buffer(mesh: Mesh, name: str, flat: FlatLayout) -> MeshAxis:
+    """The axis `name` of `mesh` as a Comm sees it, describing the flat buffer `flat`."""
+    return MeshAxis(mesh, name, flat.name, flat.fqns, flat.shapes, flat.numels, flat.offsets)
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from funcshard import collectives
-from funcshard.comm import Comm, check_carry
+from funcshard.carry import check_carry
+from funcshard.comm import Comm
 from funcshard.gather_spec import GatherSpec
 from funcshard.layout import FlatLayout, Layout
 from funcshard.precision import reduce_dtype
