@@ -6,9 +6,10 @@ Each rank builds the same GPT, shards it (FSDP, blocks as units) and times, in r
 `fs.value_and_grad` run eagerly, the same step traced (`fs.trace`) and split into buckets
 (`fs.split`, not compiled), the split step with each piece compiled by `--backend`, and the
 whole step under `fs.compile(backend=...)` (one graph, resharded as eagerly: see
-funcshard/compiled_schedule.py), eager and compiled also with `reshard_after_forward=False`
-("units kept"). Peak live tensor memory is metered for the eager and the whole-step
-variants. Before timing, each variant's loss and grads are checked against eager (1e-5).
+funcshard/compiling/_compiled_schedule.py), eager and compiled also with
+`reshard_after_forward=False` ("units kept"). Peak live tensor memory is metered for the eager and
+the whole-step variants. Before timing, each variant's loss and grads are checked against eager
+(1e-5).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tabulate import tabulate
 import funcshard as fs
 from benchmarks.common import interleaved_medians, lm_loss
 from funcshard import testing
-from funcshard.compiled_schedule import reshard_backend
+from funcshard.compiling._compiled_schedule import reshard_backend
 from funcshard.testing.memory import LiveTensors, metering_compiler
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 

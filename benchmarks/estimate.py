@@ -32,8 +32,9 @@ from tabulate import tabulate
 
 import funcshard as fs
 from benchmarks import report
-from funcshard import demo, testing
-from funcshard.estimate import estimate, format_bytes
+from funcshard import testing
+from funcshard.cli import _demo as demo
+from funcshard.planning._estimate import estimate, format_bytes
 from funcshard.testing.memory import LiveTensors
 from funcshard.testing.models import GPT, Block, GPTConfig
 

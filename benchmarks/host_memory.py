@@ -3,7 +3,7 @@
     python -m benchmarks.host_memory [--pairs 6] [--rounds 12] [--quick]
 
 Whether freed memory is kept is a setting of a whole process (see [Note: host memory kept
-between steps] in funcshard/host_memory.py), so each measurement is a fresh process, and the
+between steps] in funcshard/step/_host_memory.py), so each measurement is a fresh process, and the
 processes alternate: glibc's defaults (FUNCSHARD_KEEP_HOST_MEMORY=0), then memory kept, for
 `--pairs` pairs. Each process trains the training benchmark's GPT on 2 gloo ranks with
 funcshard FSDP and DDP in interleaved rounds and reports each one's median step time and
@@ -31,7 +31,8 @@ from tabulate import tabulate
 import funcshard as fs
 from benchmarks.common import DDP, FUNCSHARD, ddp_step, funcshard_step, ms
 from benchmarks.training import CFG, QUICK_CFG
-from funcshard import host_memory, testing
+from funcshard import testing
+from funcshard.step import _host_memory as host_memory
 from funcshard.testing.models import GPT, GPTConfig, random_tokens
 
 ROOT = Path(__file__).parents[1]

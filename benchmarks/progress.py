@@ -1,4 +1,4 @@
-"""What publishing progress costs per collective (funcshard/progress.py).
+"""What publishing progress costs per collective (funcshard/comm/_progress.py).
 
     python -m benchmarks.progress [--calls 20000]
 
@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from funcshard import collectives, progress
+from funcshard.comm import _collectives as collectives
+from funcshard.comm import _progress as progress
 
 
 def _added(calls: int) -> float:

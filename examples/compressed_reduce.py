@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import funcshard as fs
-from funcshard import collectives, demo
+from funcshard.cli import _demo as demo
+from funcshard.comm import _collectives as collectives
 from funcshard.testing.models import GPT, Block
 
 BLOCK = 128  # gradient elements per fp32 scale

@@ -13,7 +13,7 @@ momentum (a third).
 Trains the demo's character-level GPT on 4 local ranks, plain HSDP and DiLoCo, and prints
 the bytes sent across replicas per step (counted from the collectives: DiLoCo's only on
 every H-th step) and the two loss curves. With H=1, an inner SGD and an outer SGD with lr 1
-and no momentum, DiLoCo is plain HSDP SGD (`parity`, run by tests/test_comm.py).
+and no momentum, DiLoCo is plain HSDP SGD (`parity`, run by tests/comm/test_comm.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import functools
 import torch
 
 import funcshard as fs
-from funcshard import collectives, demo
+from funcshard.cli import _demo as demo
+from funcshard.comm import _collectives as collectives
 from funcshard.testing.models import GPT, Block
 
 

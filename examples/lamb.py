@@ -2,7 +2,7 @@
 `(init, update)` pair over the optimizer's leaves, with per-parameter trust ratios computed on
 flat shards through `fs.optim.segments` (which parameter owns which elements of a shard, and
 sums over whole parameters across the shard axis). On one process, on FSDP, HSDP or DDP it
-takes the same steps: tests/test_lamb.py checks it against a one-process LAMB.
+takes the same steps: tests/optim/test_lamb.py checks it against a one-process LAMB.
 
     python examples/lamb.py      # a few steps of a small GPT on 2 local ranks
 """

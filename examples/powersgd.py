@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 import funcshard as fs
-from funcshard import collectives, demo
+from funcshard.cli import _demo as demo
+from funcshard.comm import _collectives as collectives
 from funcshard.testing.models import GPT, Block
 
 RANK = 2  # columns of P and Q

@@ -6,7 +6,7 @@ wire against bf16's 2, 0.51x. The master weights stay fp32 and are never quantiz
 gathered copy the model computes with is, each weight within half a step (absmax / 254) of
 its true value. Its gradient is the straight-through one: funcshard's gather op differentiates
 as if the gather were exact, so backward reduces the gradient taken at the dequantized weights
-(tests/test_comm.py checks fs.grad, torch.autograd.grad and torch.func.grad against one plain
+(tests/comm/test_comm.py checks fs.grad, torch.autograd.grad and torch.func.grad against one plain
 process on those weights).
 
     python examples/quantized_gather.py [--quick] [--nproc 2] [--steps 200]
@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import funcshard as fs
-from funcshard import collectives, demo
+from funcshard.cli import _demo as demo
+from funcshard.comm import _collectives as collectives
 from funcshard.testing.models import GPT, Block
 
 BLOCK = 256  # weights per scale: 4 bytes of scale per 256 bytes of codes

@@ -2,7 +2,7 @@
 
 import sys
 
-from funcshard.cli import main
+from funcshard.cli._main import main
 
 if __name__ == "__main__":
     sys.exit(main())

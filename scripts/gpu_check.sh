@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 22 in one command, for the device machine (one CUDA GPU):
-#   tests/test_gpu.py (skipped by the CPU suite), then `python -m benchmarks.gpu`.
+#   tests/recipes/test_gpu.py (skipped by the CPU suite), then `python -m benchmarks.gpu`.
 # Writes the logs, the profiler trace and the gpu section of RESULTS.md to $OUT (out/gpu
 # when unset). Wheels the machine lacks (optree) travel in .whl/ (see the device tool).
 # Budget: GPU_TEST_TIMEOUT + GPU_BENCH_TIMEOUT seconds (300 + 240 by default).
@@ -16,7 +16,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 FUNCSHARD
 { nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.nccl.version())"; } >"$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 timeout "${GPU_TEST_TIMEOUT:-300}" python3 -m pytest -p funcshard.testing.pytest_plugin \
-    -p no:cacheprovider -v -s tests/test_gpu.py ${GPU_TESTS:+-k "$GPU_TESTS"} 2>&1 | tee "$OUT/tests.log"
+    -p no:cacheprovider -v -s tests/recipes/test_gpu.py ${GPU_TESTS:+-k "$GPU_TESTS"} 2>&1 | tee "$OUT/tests.log"
 tests=${PIPESTATUS[0]}
 [ -f "$OUT/trace.json" ] && gzip -f "$OUT/trace.json"
 if [ "${GPU_BENCH_TIMEOUT:-240}" != 0 ]; then

@@ -10,7 +10,7 @@ n=${1:-10}
 k=${2:-2}
 shift $(( $# < 2 ? $# : 2 ))
 tests=("$@")
-[ ${#tests[@]} -eq 0 ] && tests=(tests/test_soak.py tests/test_chaos.py property_tests/test_recipes_props.py)
+[ ${#tests[@]} -eq 0 ] && tests=(tests/recipes/test_soak.py tests/comm/test_chaos.py property_tests/recipes/test_recipes_props.py)
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-long}
 EXTRAS=test source scripts/env.sh
 hogs=()

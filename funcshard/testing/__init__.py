@@ -10,7 +10,7 @@ test extra installs and which would add ~70 ms to every `import funcshard`.
 import importlib
 from types import ModuleType
 
-from funcshard.chaos import chaos as chaos
+from funcshard.comm._chaos import chaos as chaos
 from funcshard.testing import compare as compare
 from funcshard.testing import dynamo as dynamo
 from funcshard.testing import memory as memory

@@ -25,7 +25,7 @@ import optree
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from funcshard.optim_base import Optimizer
+from funcshard.optim._base import Optimizer
 from funcshard.testing.harness import LAWS, Case, Config, global_batch
 from funcshard.testing.recipe import Axes, OptimizerChoice
 from funcshard.testing.report import LawResult, LawViolation, Report

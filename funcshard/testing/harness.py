@@ -21,19 +21,22 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from funcshard import failures, jit, policy, sharded_call
-from funcshard.autodiff import accumulate, value_and_grad
-from funcshard.materialize import StillOnMeta
-from funcshard.mesh import Mesh
-from funcshard.optim_base import Optimizer
-from funcshard.optim_params import apply_updates
-from funcshard.plan import plan
-from funcshard.precision import MixedPrecision
-from funcshard.reduction import reduce
-from funcshard.replicate import replicate
-from funcshard.rng import data_parallel_index, fold_in
-from funcshard.sharding import shard
-from funcshard.state import ShardedState
+from funcshard.comm import _failures as failures
+from funcshard.comm._mesh import Mesh
+from funcshard.compiling import _jit as jit
+from funcshard.core import _policy as policy
+from funcshard.core._plan import plan
+from funcshard.core._precision import MixedPrecision
+from funcshard.core._rng import data_parallel_index, fold_in
+from funcshard.core._state import ShardedState
+from funcshard.init._materialize import StillOnMeta
+from funcshard.optim._base import Optimizer
+from funcshard.optim._params import apply_updates
+from funcshard.step import _sharded_call as sharded_call
+from funcshard.step._autodiff import accumulate, value_and_grad
+from funcshard.step._reduction import reduce
+from funcshard.step._replicate import replicate
+from funcshard.step._sharding import shard
 from funcshard.testing import recipe
 
 LAWS = ("round_trip", "parity", "determinism", "checkpoint", "collectives", "purity", "memory")

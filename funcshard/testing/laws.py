@@ -35,11 +35,12 @@ from typing import Any
 import optree
 from torch import Tensor, nn
 
-from funcshard import collectives
-from funcshard.chaos import chaos
-from funcshard.metrics import pmean
-from funcshard.rng import manual_seed
-from funcshard.state import ShardedState
+from funcshard.comm import _collectives as collectives
+from funcshard.comm._chaos import chaos
+from funcshard.core._rng import manual_seed
+from funcshard.core._state import ShardedState
+from funcshard.step._metrics import pmean
+from funcshard.step._unsharding import reshard, unshard
 from funcshard.testing import probes
 from funcshard.testing.harness import (
     LAWS,
@@ -59,7 +60,6 @@ from funcshard.testing.harness import (
 )
 from funcshard.testing.reference import reference
 from funcshard.testing.resume import save
-from funcshard.unsharding import reshard, unshard
 
 __all__ = ["LAWS", "observe"]
 

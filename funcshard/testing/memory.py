@@ -22,7 +22,7 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from funcshard import exchange
+from funcshard.comm import _exchange as exchange
 
 
 class LiveTensors(TorchDispatchMode):

@@ -13,10 +13,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from funcshard import collectives, failures
-from funcshard.binding import bind
-from funcshard.precision import gather_dtype
-from funcshard.state import ShardedState
+from funcshard.comm import _collectives as collectives
+from funcshard.comm import _failures as failures
+from funcshard.core._binding import bind
+from funcshard.core._precision import gather_dtype
+from funcshard.core._state import ShardedState
 from funcshard.testing.memory import LiveTensors, is_all_gather
 
 _ISSUERS = ("all_gather", "reduce_scatter", "all_reduce")

@@ -30,10 +30,10 @@ checkpoints and freezes nothing, and its configurations are the plain ones.
 
 Refused by design, each with an error that names the cause (so never drawn):
 - a user `Comm` on a mesh whose shard axis has one rank (DDP, HSDP R x 1): its gather and
-  reduce would never run (ValueError; tests/test_comm.py);
+  reduce would never run (ValueError; tests/comm/test_comm.py);
 - `fs.compile(..., fullgraph=True)` of a step whose checkpointed blocks torch cannot
   recompute inside one graph (random ops, attention): ValueError naming the modules
-  (tests/test_compile_recipes.py). Without `fullgraph` such a step compiles with one
+  (tests/compiling/test_compile_recipes.py). Without `fullgraph` such a step compiles with one
   graph break and equals eager, which is what `compiled` draws.
 """
 
@@ -48,12 +48,12 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from funcshard.comm import Comm, MeshAxis
-from funcshard.optim_base import Optimizer
-from funcshard.optim_clipping import clip_by_global_norm
-from funcshard.optim_combinators import chain
-from funcshard.optim_kernels import adamw, sgd
-from funcshard.optim_partition import partition
+from funcshard.comm._comm import Comm, MeshAxis
+from funcshard.optim._base import Optimizer
+from funcshard.optim._clipping import clip_by_global_norm
+from funcshard.optim._combinators import chain
+from funcshard.optim._kernels import adamw, sgd
+from funcshard.optim._partition import partition
 
 CLIP = 0.05  # small enough that a step's gradients are clipped, so clipping is checked
 WARMUP_STEPS = 3

@@ -26,8 +26,8 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from funcshard.autodiff import value_and_grad
-from funcshard.optim_params import apply_updates
+from funcshard.optim._params import apply_updates
+from funcshard.step._autodiff import value_and_grad
 from funcshard.testing import recipe
 from funcshard.testing.harness import (
     ADAMW_EPS,

@@ -21,11 +21,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from funcshard import checkpoint, collectives, groups
-from funcshard.metrics import pmean
-from funcshard.optim_partition import PartitionState
-from funcshard.owned import Owned
-from funcshard.state import ShardedState
+from funcshard.comm import _collectives as collectives
+from funcshard.core import _groups as groups
+from funcshard.core._state import ShardedState
+from funcshard.io import _checkpoint as checkpoint
+from funcshard.optim._owned import Owned
+from funcshard.optim._partition import PartitionState
+from funcshard.step._metrics import pmean
+from funcshard.step._unsharding import reshard, unshard
 from funcshard.testing.harness import (
     Case,
     Config,
@@ -42,7 +45,6 @@ from funcshard.testing.harness import (
     split,
     user_setup,
 )
-from funcshard.unsharding import reshard, unshard
 
 
 def save(

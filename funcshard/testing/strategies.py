@@ -16,8 +16,8 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from funcshard import policy
-from funcshard.mesh import Mesh
+from funcshard.comm._mesh import Mesh
+from funcshard.core import _policy as policy
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -118,7 +118,7 @@ def modules(
     """Random module trees: nested Sequential/ModuleList/custom modules with tied and frozen
     parameters and buffers. Build with `.build()`.
 
-    Laws every drawn tree satisfies (tests/test_testing_toolkit.py checks them):
+    Laws every drawn tree satisfies (tests/testing/test_testing_toolkit.py checks them):
 
     - `spec.build()` gives bitwise the same module in any process, and that module maps a
       (batch, width) float32 input, such as `spec.example_input()`, to (batch, width).

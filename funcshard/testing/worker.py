@@ -24,8 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from funcshard import exchange, failures
-from funcshard.mesh import shutdown
+from funcshard.comm import _exchange as exchange
+from funcshard.comm import _failures as failures
+from funcshard.comm._mesh import shutdown
 
 
 def task_name(fn: Callable[..., Any]) -> str:

@@ -1,6 +1,6 @@
 """Page faults of reallocating a 64 MiB tensor before and after a funcshard step on the CPU,
 in a process of its own (whether freed memory is kept is a setting of the whole process).
-Prints one JSON line; tests/test_host_memory.py runs it."""
+Prints one JSON line; tests/step/test_host_memory.py runs it."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import funcshard as fs
-from funcshard import host_memory
+from funcshard.step import _host_memory as host_memory
 
 NUMEL = 16 << 20  # 64 MiB of float32: 16,384 pages of 4 KiB
 

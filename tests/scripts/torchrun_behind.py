@@ -1,4 +1,4 @@
-"""Launched by tests/test_progress.py under torchrun: after a step together, rank 1 stays in
+"""Launched by tests/comm/test_progress.py under torchrun: after a step together, rank 1 stays in
 its own code (`sleep`: a slow data loader, say) or runs out of data and shuts down
 (`leave`), while rank 0 logs a metric with fs.pmean. Rank 0's collective times out and its
 CollectiveError names rank 1, its last collective and where it is (see [Note: naming the

@@ -1,4 +1,4 @@
-"""Launched by tests/test_failfast.py under torchrun: rank 1 raises inside `fs.fail_fast()`
+"""Launched by tests/comm/test_failfast.py under torchrun: rank 1 raises inside `fs.fail_fast()`
 while rank 0 waits in an all-reduce, both inside the usual `try: ... finally: fs.shutdown()`
 (without fail_fast, rank 1 waits in shutdown for rank 0, and rank 0 out its 120 s timeout)."""
 
@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 
 import funcshard as fs
-from funcshard import collectives
+from funcshard.comm import _collectives as collectives
 
 mesh = fs.Mesh.from_env(timeout=timedelta(seconds=120))
 start = time.monotonic()

@@ -1,4 +1,4 @@
-"""Launched by tests/test_reliability.py under torchrun: a forced hang inside sharded work.
+"""Launched by tests/comm/test_reliability.py under torchrun: a forced hang inside sharded work.
 Both ranks gather unit 'blocks.0'; rank 0 then gathers 'blocks.1', which rank 1 skips, and
 rank 1 enters an all-reduce on another group that rank 0 never joins. Each rank's collective
 times out and its CollectiveError (printed by the traceback) names the last funcshard
@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 
 import funcshard as fs
-from funcshard import collectives
+from funcshard.comm import _collectives as collectives
 from funcshard.testing.models import GPT, Block, GPTConfig
 
 mesh = fs.Mesh.from_env(timeout=timedelta(seconds=3))

@@ -1,4 +1,4 @@
-"""Launched by tests/test_mesh.py under torchrun: Mesh.from_env() and one all-reduce."""
+"""Launched by tests/comm/test_mesh.py under torchrun: Mesh.from_env() and one all-reduce."""
 
 import torch
 import torch.distributed as dist

@@ -1,0 +1,146 @@
+"""One parameter group's elements of a sharded state, packed: what `partition`'s optimizers see.
+
+[Note: a parameter group's view]
+torch.optim keeps each param group's state for its own parameters. On flat shards a group
+rarely fills a leaf (a block's buffer holds both its matrices and its biases), so handing
+each group's optimizer the whole leaves, with zeros outside the group, would keep every
+group's moments over every element: k groups, k times the memory. `GroupView` instead
+holds, per leaf that has any of the group's trained parameters, either the leaf itself
+(when the group owns all of it) or this rank's pieces of the group's parameters
+concatenated in buffer order (a *packed* leaf: no padding, no other group's elements). The
+parts are the same on every rank (a rank holding none of a packed leaf's elements gets an
+empty tensor), so collectives inside the group's optimizer line up. `segments` knows the
+owners of a packed leaf's elements, so masks, per-parameter sums and `whole_params` work on
+it, and checkpoints split a packed moment into per-parameter pieces like any other.
+A group of a params dict is the sub-dict of its parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from funcshard.core._layout import Layout, shard_pieces
+from funcshard.core._state import ensure_live
+from funcshard.core._tree import register_record
+
+
+@dataclass(frozen=True)
+class Part:
+    """One leaf of a group's view: `source`, the leaf of the full view it comes from;
+    `fqns`, the group's parameters in it (buffer order); `packed`, whether it holds only
+    their pieces (else it is the source leaf itself)."""
+
+    source: int
+    fqns: tuple[str, ...]
+    packed: bool
+
+
+@dataclass(frozen=True, eq=False)
+class GroupView:
+    """A group's leaves (`values`, lined up with `parts`) of a ShardedState or
+    ShardedGrads on `layout`: see [Note: a parameter group's view]."""
+
+    values: tuple[Tensor | None, ...]
+    layout: Layout
+    parts: tuple[Part, ...]
+
+    def leaves(self) -> list[Tensor | None]:
+        return list(self.values)
+
+
+register_record(GroupView, data_fields=("values",), meta_fields=("layout", "parts"))
+
+
+def group_of(container: Any, members: frozenset[str]) -> Any:
+    """The view of the group `members` of a ShardedState, ShardedGrads or dict."""
+    if isinstance(container, Mapping):
+        ensure_live(container, "partition")
+        return {f: v for f, v in container.items() if f in members}
+    if isinstance(container, GroupView):
+        raise TypeError(
+            "funcshard.optim.partition: a partition inside a partition's group is not "
+            "supported; give the outer partition one label per inner group instead."
+        )
+    ensure_live(container, "partition")
+    layout = container.layout
+    parts = group_parts(layout, members)
+    rank = layout.mesh.shard_rank
+    source = container.leaves()
+    values = tuple(
+        _packed(source[p.source], layout, rank, p) if p.packed else source[p.source] for p in parts
+    )
+    return GroupView(values, layout, parts)
+
+
+def scatter(group: Any, updates: Any, into: list[Tensor | None], keys: list | None) -> None:
+    """Write a group's `updates` (a GroupView, or a dict when `keys` lists the full dict's
+    keys) into `into`, the full view's update leaves (None where nothing was written yet)."""
+    if keys is not None:
+        at = {f: i for i, f in enumerate(keys)}
+        for f, u in updates.items():
+            into[at[f]] = u
+        return
+    layout = group.layout
+    rank = layout.mesh.shard_rank
+    for part, u in zip(group.parts, updates.leaves(), strict=True):
+        if u is None:
+            continue
+        if not part.packed:
+            into[part.source] = u
+            continue
+        target = into[part.source]
+        if target is None:
+            target = into[part.source] = u.new_zeros(layout.flats[part.source].shard_numel)
+        at = 0
+        for piece in _slices(layout, rank, part):
+            n = piece.stop - piece.start
+            target[piece] = u[at : at + n]
+            at += n
+
+
+def trainable_members(layout: Layout) -> frozenset[str]:
+    """Every parameter that gets a gradient (not in a frozen unit, not a frozen member)."""
+    out = {
+        f
+        for flat in layout.flats
+        if not flat.frozen
+        for f in flat.fqns
+        if f not in flat.frozen_fqns
+    }
+    return frozenset(out | (set(layout.replicated) - set(layout.replicated_frozen)))
+
+
+@functools.lru_cache(maxsize=256)
+def group_parts(layout: Layout, members: frozenset[str]) -> tuple[Part, ...]:
+    """The parts of a group's view: every trainable leaf holding any of `members`."""
+    trained = trainable_members(layout)
+    parts = []
+    for i, flat in enumerate(layout.flats):
+        mine = tuple(f for f in flat.fqns if f in members and f in trained)
+        if mine:
+            parts.append(Part(i, mine, packed=len(mine) != len(flat.fqns)))
+    n = len(layout.flats)
+    for j, f in enumerate(layout.replicated):
+        if f in members and f in trained:
+            parts.append(Part(n + j, (f,), packed=False))
+    return tuple(parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _slices(layout: Layout, rank: int, part: Part) -> tuple[slice, ...]:
+    """Where this rank's pieces of a packed part's parameters lie in its source shard."""
+    pieces = shard_pieces(layout.flats[part.source], rank, part.fqns)
+    return tuple(slice(p.at, p.at + p.stop - p.start) for p in pieces)
+
+
+def _packed(leaf: Tensor | None, layout: Layout, rank: int, part: Part) -> Tensor | None:
+    if leaf is None:
+        return None
+    pieces = [leaf[s] for s in _slices(layout, rank, part)]
+    return torch.cat(pieces) if pieces else leaf[:0]

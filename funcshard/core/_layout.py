@@ -1,0 +1,234 @@
+"""Layout: where every parameter lives in the flat, evenly sharded buffers of a state.
+
+[Note: flat buffers]
+Each unit of a plan gets one flat 1-D buffer per dtype it holds (so a bf16 weight and an fp32
+bias may share a unit, which FSDP2 refuses). A buffer concatenates its parameters, flattened,
+in plan order, then zero padding up to a multiple of the shard size, so every rank holds
+exactly `shard_numel` elements and collectives need no per-rank sizes. Rank r of the shard
+axis holds elements [r * shard_numel, (r + 1) * shard_numel). A tensor smaller than the
+shard size still gives every rank one element (mostly padding).
+
+Everything here is static and hashable: it is the aux data of a ShardedState's pytree.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from funcshard.comm._mesh import Mesh
+from funcshard.core._plan import Plan, Unit
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """One flat buffer: the parameters of one dtype in one unit. Its sizes (`numels`,
+    `offsets`, `numel`, `shard_numel`, `padded_numel`, `split_sizes`, `strides`) are derived
+    once, when it is made."""
+
+    unit: str  # the unit's module FQN; "" is the root
+    dtype: torch.dtype
+    fqns: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    shard_size: int
+    keep_fp32: bool = False
+    frozen: bool = False
+    frozen_fqns: tuple[str, ...] = ()  # frozen members of a trainable buffer (frozen="warn")
+
+    def __post_init__(self) -> None:
+        # Derived sizes, computed once (a layout is immutable): a step reads them per unit,
+        # and recomputing them was a measurable part of funcshard's overhead. Plain instance
+        # attributes, not fields (no part of equality or hashing), which dynamo reads as such.
+        numels = tuple(math.prod(s) for s in self.shapes)
+        numel = sum(numels)
+        shard_numel = -(-numel // self.shard_size)
+        padding = shard_numel * self.shard_size - numel
+        derived = {
+            "numels": numels,  # each parameter's
+            "offsets": tuple(itertools.accumulate(numels, initial=0))[:-1],  # starts in the buffer
+            "numel": numel,  # elements of real data, without padding
+            "shard_numel": shard_numel,  # elements each rank holds: ceil(numel / shard_size)
+            "padded_numel": shard_numel * self.shard_size,
+            "split_sizes": numels + ((padding,) if padding else ()),  # then the padding's
+            "strides": tuple(_contiguous_strides(shape) for shape in self.shapes),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def name(self) -> str:
+        """How errors and tables name this buffer: `unit[dtype]`."""
+        return f"{self.unit or '<root>'}[{str(self.dtype).removeprefix('torch.')}]"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The flat buffers of a sharded state, in plan order, and the mesh they live on."""
+
+    flats: tuple[FlatLayout, ...]
+    replicated: tuple[str, ...]  # parameters kept whole on every rank (the plan's ignored)
+    mesh: Mesh
+    state_dict_keys: tuple[str, ...] = ()  # the model's state_dict() keys, in its order
+    aliases: tuple[tuple[str, str], ...] = ()  # (second name, first FQN) of tied parameters
+    replicated_frozen: tuple[str, ...] = ()  # replicated parameters that get no gradient
+    reduce_replicated: bool = True  # the others' gradients are all-reduced (the plan's)
+
+    @property
+    def replicated_trainable(self) -> tuple[str, ...]:
+        """The replicated parameters that get gradients, in `replicated` order."""
+        return tuple(f for f in self.replicated if f not in self.replicated_frozen)
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        return tuple(f for flat in self.flats for f in flat.fqns)
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        """Unit names in plan order, each once."""
+        return tuple(dict.fromkeys(flat.unit for flat in self.flats))
+
+    def flats_of(self, units: tuple[str, ...] | None) -> tuple[int, ...]:
+        """Indices of the flat buffers that belong to `units` (all when None)."""
+        if units is None:
+            return tuple(range(len(self.flats)))
+        unknown = [u for u in units if u not in self.units]
+        if unknown:
+            raise ValueError(
+                f"funcshard: units {unknown} are not in this state; its units are "
+                f"{list(self.units)} ('' is the root)."
+            )
+        return tuple(i for i, flat in enumerate(self.flats) if flat.unit in units)
+
+
+def frozen_ranges(flat: FlatLayout, start: int = 0, end: int | None = None) -> list[slice]:
+    """Where the frozen members of a trainable buffer lie within [start, end) of it, as
+    slices relative to `start` (a rank's shard: start = shard rank * shard_numel)."""
+    end = flat.padded_numel if end is None else end
+    ranges = []
+    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
+        lo, hi = overlap(offset, numel, start, end)
+        if fqn in flat.frozen_fqns and lo < hi:
+            ranges.append(slice(offset + lo - start, offset + hi - start))
+    return ranges
+
+
+def overlap(offset: int, numel: int, start: int, end: int) -> tuple[int, int]:
+    """Elements `[lo, hi)` of a parameter at `offset` of its buffer (of `numel` elements)
+    that the buffer's `[start, end)` holds, numbered in the parameter; (0, 0) for none."""
+    lo, hi = max(start, offset), min(end, offset + numel)
+    return (lo - offset, hi - offset) if lo < hi else (0, 0)
+
+
+class ShardPiece(NamedTuple):
+    """A rank's piece of one parameter of a flat buffer (see `shard_pieces`)."""
+
+    index: int  # the parameter's, in the buffer's `fqns`
+    start: int  # elements [start, stop) of the flattened parameter
+    stop: int
+    at: int  # where they start in the rank's shard
+    local: int  # where they start in the leaf of the chosen pieces (`at` when all are)
+
+
+@functools.lru_cache(maxsize=4096)
+def shard_pieces(
+    flat: FlatLayout, shard_rank: int, fqns: tuple[str, ...] | None = None
+) -> tuple[ShardPiece, ...]:
+    """Rank `shard_rank`'s piece of each parameter of `flat` it holds any of, in buffer
+    order; only `fqns`' when given, their `local` positions then one after another (a
+    partition group's packed leaf, see funcshard/core/_groups.py). Static: made once per
+    buffer, rank and choice."""
+    base, chosen = shard_rank * flat.shard_numel, None if fqns is None else set(fqns)
+    out, placed = [], 0
+    for i, (fqn, offset, numel) in enumerate(
+        zip(flat.fqns, flat.offsets, flat.numels, strict=True)
+    ):
+        lo, hi = overlap(offset, numel, base, base + flat.shard_numel)
+        if lo == hi or (chosen is not None and fqn not in chosen):
+            continue
+        at = offset + lo - base
+        out.append(ShardPiece(i, lo, hi, at, at if chosen is None else placed))
+        placed += hi - lo
+    return tuple(out)
+
+
+def param_views(buffer: torch.Tensor, flat: FlatLayout) -> tuple[torch.Tensor, ...]:
+    """The parameters a full (padded_numel,) buffer of `flat` holds, as views, in flat order.
+
+    Eagerly each view is one `as_strided` from the layout's cached geometry (half the CPU
+    time of split-then-view, which a step pays per parameter); traced, under torch.func
+    transforms or on a strided buffer, split-then-view, which every transform handles."""
+    if (
+        buffer.stride(0) == 1
+        and not torch.compiler.is_dynamo_compiling()
+        and not torch._C._are_functorch_transforms_active()
+    ):
+        base = buffer.storage_offset()
+        return tuple(
+            [
+                buffer.as_strided(shape, stride, base + offset)
+                for shape, stride, offset in zip(
+                    flat.shapes, flat.strides, flat.offsets, strict=True
+                )
+            ]
+        )
+    pieces = buffer.split(flat.split_sizes)  # the padding piece, if any, is left out by zip
+    return tuple(p.view(shape) for p, shape in zip(pieces, flat.shapes, strict=False))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _frozen_apart(members: list, unit: Unit) -> list[tuple[list, bool]]:
+    """A unit's members of one dtype as flat buffers: one, or (frozen="split") the trainable
+    ones and then the frozen ones, each only if there are any."""
+    if not unit.frozen_apart:
+        return [(members, unit.frozen)]
+    trainable = [m for m in members if m[0] not in unit.frozen_fqns]
+    frozen = [m for m in members if m[0] in unit.frozen_fqns]
+    return [(group, apart) for group, apart in ((trainable, False), (frozen, True)) if group]
+
+
+def layout_of(plan: Plan, mesh: Mesh | None, shard_size: int | None = None) -> Layout:
+    """Lay out a plan's units as flat buffers sharded over the mesh's shard axis (or, with
+    no mesh, over `shard_size` ranks: a layout for arithmetic, as the estimator's)."""
+    shard_size = mesh.shard_size if mesh is not None else shard_size
+    flats = []
+    for unit in plan.units:
+        for dtype in unit.dtypes:
+            members = [
+                (fqn, shape)
+                for fqn, shape, d in zip(unit.fqns, unit.shapes, unit.param_dtypes, strict=True)
+                if d == dtype
+            ]
+            for group, frozen in _frozen_apart(members, unit):
+                flats.append(
+                    FlatLayout(
+                        unit=unit.name,
+                        dtype=dtype,
+                        fqns=tuple(f for f, _ in group),
+                        shapes=tuple(s for _, s in group),
+                        shard_size=shard_size,
+                        keep_fp32=unit.keep_fp32,
+                        frozen=frozen,
+                        frozen_fqns=()
+                        if unit.frozen_apart
+                        else tuple(f for f, _ in group if f in unit.frozen_fqns),
+                    )
+                )
+    return Layout(
+        flats=tuple(flats),
+        replicated=plan.ignored,
+        mesh=mesh,
+        replicated_frozen=plan.ignored_frozen,
+        reduce_replicated=plan.reduce_ignored,
+    )

@@ -1,0 +1,377 @@
+"""Plan: which parameters communicate together, as a pure function of the module tree.
+
+[Note: choosing units]
+A unit is a group of parameters gathered, resharded and reduced together (an FSDP2
+`fully_shard` call, a DDP bucket). Modules are visited once each, in post-order with siblings
+in registration order, so a unit is always chosen below its parents and the first registered
+subtree wins ties. A module reached under a second name is not visited again.
+
+Each module's *leftover* is its own parameters plus its children's leftovers, less what a unit
+has already taken. When the policy says "unit" (or the module is a keep_fp32 class), the
+module's leftover becomes that unit. Hence a parameter reachable from several places (tied
+weights) belongs to the first unit in post-order that reaches it, and the root, visited last,
+owns whatever no other unit took. Each parameter is listed under its first FQN in registration
+order, the key `funcshard.extract` gives it. The model is only read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from tabulate import tabulate
+from torch import nn
+
+from funcshard.core._module import check_module
+from funcshard.core._policy import Buckets, Policy, module_classes
+from funcshard.core._tree import format_names, join_fqn
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One group of parameters that communicate together, owned by the module `name`."""
+
+    name: str  # the module's FQN; "" is the root
+    fqns: tuple[str, ...]
+    numel: int
+    dtypes: tuple[torch.dtype, ...]  # the distinct dtypes, in order of first appearance
+    keep_fp32: bool  # mixed precision off for this unit
+    frozen: bool  # no parameter requires grad: never reduced
+    shapes: tuple[tuple[int, ...], ...]  # one per FQN
+    param_dtypes: tuple[torch.dtype, ...]  # one per FQN
+    frozen_fqns: tuple[str, ...] = ()  # in a trainable unit (frozen="warn"|"split"): never updated
+    frozen_apart: bool = False  # frozen="split": the frozen_fqns get flat buffers of their own
+
+    def bytes_per_rank(self, world_size: int) -> int:
+        """Bytes each rank holds when the unit is sharded evenly (padded) over `world_size`."""
+        total = 0
+        for dtype in self.dtypes:
+            numel = sum(
+                math.prod(s)
+                for s, d in zip(self.shapes, self.param_dtypes, strict=True)
+                if d == dtype
+            )
+            total += -(-numel // world_size) * dtype.itemsize
+        return total
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Units in post-order (the root last) and the parameters kept out of every unit."""
+
+    units: tuple[Unit, ...]
+    ignored: tuple[str, ...]
+    ignored_frozen: tuple[str, ...] = ()  # ignored ones that get no gradient (see `plan`)
+    reduce_ignored: bool = True  # all-reduce the ignored ones' gradients (see `plan`)
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        """Every planned parameter, unit by unit."""
+        return tuple(f for unit in self.units for f in unit.fqns)
+
+    def fingerprint(self) -> str:
+        """A stable hash of units, FQNs, shapes, dtypes and flags: equal plans, equal strings."""
+        text = repr(
+            [
+                (
+                    u.name,
+                    u.fqns,
+                    u.shapes,
+                    [str(d) for d in u.param_dtypes],
+                    u.keep_fp32,
+                    u.frozen,
+                    u.frozen_fqns,
+                    u.frozen_apart,
+                )
+                for u in self.units
+            ]
+            + [self.ignored, self.ignored_frozen, self.reduce_ignored]
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def table(self, world_size: int = 1) -> str:
+        """One row per unit: params, numel, bytes per rank over `world_size`, flags; a total."""
+        rows = [
+            [
+                u.name or "<root>",
+                len(u.fqns),
+                f"{u.numel:,}",
+                f"{u.bytes_per_rank(world_size):,}",
+                ",".join(str(d).removeprefix("torch.") for d in u.dtypes),
+                " ".join(flag for flag, on in (("fp32", u.keep_fp32), ("frozen", u.frozen)) if on),
+            ]
+            for u in self.units
+        ]
+        total_bytes = sum(u.bytes_per_rank(world_size) for u in self.units)
+        numel = sum(u.numel for u in self.units)
+        rows.append(["total", len(self.fqns), f"{numel:,}", f"{total_bytes:,}", "", ""])
+        headers = ["unit", "params", "numel", f"bytes/rank (world {world_size})", "dtypes", "flags"]
+        table = tabulate(rows, headers=headers, colalign=("left", "right", "right", "right"))
+        if self.ignored:
+            reduced = "all-reduced" if self.reduce_ignored else "not reduced"
+            table += f"\nignored (replicated, {reduced}): {format_names(self.ignored)}"
+        return table
+
+    def __str__(self) -> str:
+        return self.table(1)
+
+
+def plan(
+    model: nn.Module,
+    policy: Policy | None = None,
+    ignored: Iterable[nn.Module | nn.Parameter | str] = (),
+    keep_fp32: Iterable[type[nn.Module]] = (),
+    frozen: str = "error",
+    reduce_ignored: bool = True,
+) -> Plan:
+    """Choose the units of `model` (see [Note: choosing units]); the model is not modified.
+
+    `policy=None` makes one unit, the root. `ignored` modules or parameters (objects or FQNs)
+    stay out of every unit: every rank holds them whole, and they train as under DDP, their
+    gradients all-reduced (mean) over every data-parallel rank; `reduce_ignored=False` leaves
+    each rank its own gradient (FSDP2's `ignored_params`), so replicas may drift apart.
+    Ignored parameters that do not require grad, or are not floating point, get none. Each
+    module of a `keep_fp32` class becomes its own unit with mixed
+    precision off. `frozen="error"` rejects a unit that mixes frozen and trainable parameters;
+    `"split"` allows it (LoRA adapters beside their frozen base weights): the frozen members
+    get flat buffers of their own in the unit, gathered with it but never reduced, with no
+    gradient and no optimizer state; `"warn"` keeps them in the trainable buffer with a
+    warning, where they take zero gradients that are reduced.
+    """
+    check_module(model, "funcshard.plan")
+    if isinstance(policy, Buckets):
+        if keep_fp32:
+            raise ValueError(
+                "funcshard.plan: keep_fp32 applies to module units; bucket plans hold "
+                "parameters, not modules. Drop keep_fp32 or use a module policy."
+            )
+        return _with_ignored(model, _bucket_plan(model, policy, ignored), reduce_ignored)
+    if policy is not None and not callable(policy):
+        raise TypeError(
+            f"funcshard.plan: policy must be callable (module, fqn, unowned_numel) -> bool or "
+            f"None, got {type(policy).__name__}. See funcshard.policy for ready ones."
+        )
+    if frozen not in ("error", "warn", "split"):
+        raise ValueError(
+            f"funcshard.plan: frozen must be 'error', 'split' or 'warn', got {frozen!r}."
+        )
+    fp32_policy = module_classes(keep_fp32) if keep_fp32 else None
+    first_fqn = {id(p): name for name, p in model.named_parameters()}
+    order = {pid: i for i, pid in enumerate(first_fqn)}
+    ignored_modules, ignored_params = _resolve_ignored(model, ignored)
+
+    units: list[Unit] = []
+    overridden: list[str] = []
+    owned: set[int] = set(ignored_params)
+    leftover: dict[int, dict[int, nn.Parameter]] = {}
+    for fqn, module in _post_order(model, ignored_modules):
+        mine = {id(p): p for _, p in module.named_parameters(recurse=False)}
+        for child in module.children():
+            mine.update(leftover.get(id(child), {}))
+        mine = {pid: p for pid, p in mine.items() if pid not in owned}
+        leftover[id(module)] = mine
+        if not mine:
+            continue
+        is_root = module is model
+        fp32 = fp32_policy is not None and fp32_policy(module, fqn, 0) and not is_root
+        chosen = not is_root and policy is not None and policy(module, fqn, _numel(mine))
+        if is_root or fp32 or chosen:
+            if fp32 and not chosen:
+                overridden.append(fqn)
+            units.append(_unit(fqn, mine, first_fqn, order, fp32, frozen))
+            owned.update(mine)
+            leftover[id(module)] = {}
+    if not units or units[-1].name != "":
+        units.append(_unit("", {}, first_fqn, order, False, frozen))
+    if overridden:
+        warnings.warn(
+            f"funcshard.plan: keep_fp32 made {len(overridden)} module(s) their own units that "
+            f"the policy did not choose ({format_names(overridden)}); each one costs its own "
+            f"all-gather and reduce-scatter.",
+            UserWarning,
+            stacklevel=2,
+        )
+    ignored_fqns = tuple(first_fqn[pid] for pid in order if pid in ignored_params)
+    return _with_ignored(model, Plan(units=tuple(units), ignored=ignored_fqns), reduce_ignored)
+
+
+def _with_ignored(model: nn.Module, plan: Plan, reduce_ignored: bool) -> Plan:
+    """`plan` with its ignored parameters' training settings: which get no gradient
+    (requires_grad=False, or not floating point) and whether the others are reduced."""
+    params = dict(model.named_parameters())
+    frozen = tuple(
+        f
+        for f in plan.ignored
+        if not params[f].requires_grad
+        or not (params[f].is_floating_point() or params[f].is_complex())
+    )
+    return dataclasses.replace(plan, ignored_frozen=frozen, reduce_ignored=bool(reduce_ignored))
+
+
+def _bucket_plan(
+    model: nn.Module, policy: Buckets, ignored: Iterable[nn.Module | nn.Parameter | str]
+) -> Plan:
+    """DDP's buckets as units: see `funcshard.policy.buckets`. Frozen parameters form one
+    unit of their own (never reduced); unit names are in angle brackets, which no module FQN
+    can contain."""
+    _, ignored_params = _resolve_ignored(model, ignored)
+    first_fqn = {id(p): name for name, p in model.named_parameters()}
+    order = {pid: i for i, pid in enumerate(first_fqn)}
+    params = {id(p): p for p in model.parameters() if id(p) not in ignored_params}
+    trainable = [(pid, p) for pid, p in params.items() if p.requires_grad]
+    frozen = {pid: p for pid, p in params.items() if not p.requires_grad}
+    units: list[Unit] = []
+    current: dict[int, nn.Parameter] = {}
+    size = 0
+    for pid, p in reversed(trainable):
+        cap = (policy.first_bucket_mb if not units else policy.bucket_mb) * 2**20
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > cap:
+            units.append(_unit(f"<bucket {len(units)}>", current, first_fqn, order, False, "error"))
+            current, size = {}, 0
+        current[pid] = p
+        size += nbytes
+    if current:
+        units.append(_unit(f"<bucket {len(units)}>", current, first_fqn, order, False, "error"))
+    if frozen:
+        units.append(_unit("<frozen>", frozen, first_fqn, order, False, "error"))
+    ignored_fqns = tuple(first_fqn[pid] for pid in order if pid in ignored_params)
+    return Plan(units=tuple(units), ignored=ignored_fqns)
+
+
+def _numel(params: dict[int, nn.Parameter]) -> int:
+    return sum(p.numel() for p in params.values())
+
+
+def _unit(
+    name: str,
+    params: dict[int, nn.Parameter],
+    first_fqn: dict[int, str],
+    order: dict[int, int],
+    keep_fp32: bool,
+    frozen: str,
+) -> Unit:
+    ordered = sorted(params.items(), key=lambda item: order[item[0]])
+    fqns = tuple(first_fqn[pid] for pid, _ in ordered)
+    tensors = [p for _, p in ordered]
+    mixed = _check_frozen(name, fqns, tensors, frozen)
+    param_dtypes = tuple(p.dtype for p in tensors)
+    return Unit(
+        name=name,
+        fqns=fqns,
+        numel=sum(p.numel() for p in tensors),
+        dtypes=tuple(dict.fromkeys(param_dtypes)),
+        keep_fp32=keep_fp32,
+        frozen=bool(tensors) and not any(p.requires_grad for p in tensors),
+        shapes=tuple(tuple(p.shape) for p in tensors),
+        param_dtypes=param_dtypes,
+        frozen_fqns=tuple(f for f, p in zip(fqns, tensors, strict=True) if not p.requires_grad)
+        if any(p.requires_grad for p in tensors)
+        else (),
+        frozen_apart=mixed and frozen == "split",
+    )
+
+
+def _check_frozen(
+    name: str, fqns: tuple[str, ...], tensors: list[nn.Parameter], frozen: str
+) -> bool:
+    """Whether the unit mixes frozen and trainable parameters; reject it (frozen="error") or
+    warn about it ("warn")."""
+    trainable = [(f, p.numel()) for f, p in zip(fqns, tensors, strict=True) if p.requires_grad]
+    still = [(f, p.numel()) for f, p in zip(fqns, tensors, strict=True) if not p.requires_grad]
+    if not trainable or not still:
+        return False
+    if frozen == "split":
+        return True
+    where = f"unit {name!r}" if name else "the root unit"
+    message = (
+        f"funcshard.plan: {where} mixes parameters with requires_grad=True and False.\n"
+        f"  requires_grad=True ({sum(n for _, n in trainable):,} numel): "
+        f"{format_names(f for f, _ in trainable)}\n"
+        f"  requires_grad=False ({sum(n for _, n in still):,} numel): "
+        f"{format_names(f for f, _ in still)}\n"
+    )
+    if frozen == "error":
+        raise ValueError(
+            message + "Pass plan(..., frozen='split') to give the frozen part flat buffers "
+            "of its own in the unit (no gradient memory for it), or put it in a unit of its own "
+            "(a policy that selects its module)."
+        )
+    warnings.warn(
+        message + f"Its gradients are reduced over all {sum(p.numel() for p in tensors):,} "
+        f"elements instead of the {sum(n for _, n in trainable):,} trainable ones (the frozen "
+        f"ones get zero gradients and no updates); frozen='split' avoids that.",
+        UserWarning,
+        stacklevel=4,
+    )
+    return True
+
+
+def _post_order(model: nn.Module, skip: set[int]) -> Iterator[tuple[str, nn.Module]]:
+    """Yield each module once, children before parents, siblings in registration order."""
+    seen = {id(model)} | skip
+
+    def visit(fqn: str, module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+        for name, child in module.named_children():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                yield from visit(join_fqn(fqn, name), child)
+        yield fqn, module
+
+    yield from visit("", model)
+
+
+def _resolve_ignored(
+    model: nn.Module, ignored: Iterable[nn.Module | nn.Parameter | str]
+) -> tuple[set[int], set[int]]:
+    """Ids of the ignored modules and of every parameter they (or the list itself) name."""
+    modules: set[int] = set()
+    params: set[int] = set()
+    all_params = {id(p) for p in model.parameters()}
+    all_modules = {id(m) for m in model.modules()}
+    unknown = []
+    for item in ignored:
+        if isinstance(item, str):
+            found = _lookup(model, item)
+            if found is None:
+                unknown.append(repr(item))
+                continue
+            item = found
+        if isinstance(item, nn.Module) and id(item) in all_modules:
+            if item is model:
+                raise ValueError(
+                    "funcshard.plan: the root module cannot be ignored; pass its children instead."
+                )
+            modules.add(id(item))
+            params.update(id(p) for p in item.parameters())
+        elif isinstance(item, torch.Tensor) and id(item) in all_params:
+            params.add(id(item))
+        else:
+            unknown.append(_describe(item))
+    if unknown:
+        raise ValueError(
+            f"funcshard.plan: ignored names {', '.join(unknown)}, which are not modules or "
+            f"parameters of this {type(model).__name__}. Pass submodules, parameters, or their "
+            f"FQNs from model.named_modules()/named_parameters()."
+        )
+    return modules, params
+
+
+def _lookup(model: nn.Module, fqn: str) -> nn.Module | nn.Parameter | None:
+    for getter in (model.get_submodule, model.get_parameter):
+        try:
+            return getter(fqn)
+        except AttributeError:
+            continue
+    return None
+
+
+def _describe(item: object) -> str:
+    if isinstance(item, torch.Tensor):
+        return f"a tensor of shape {tuple(item.shape)}"
+    return type(item).__name__

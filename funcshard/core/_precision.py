@@ -1,0 +1,79 @@
+"""Mixed precision: the dtypes parameters are gathered in, gradients reduced in, outputs cast to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from funcshard.core._layout import FlatLayout
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes for one training step; `None` keeps each parameter's own dtype.
+
+    The sharded master copy and the optimizer state always stay in the original dtype:
+    `param_dtype` applies to the gathered copy, `reduce_dtype` to the gradient reduction, and
+    `output_dtype` to the model's floating-point outputs. `cast_inputs` casts floating-point
+    inputs to `param_dtype` before the model runs.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and not (
+                isinstance(dtype, torch.dtype) and dtype.is_floating_point
+            ):
+                raise TypeError(
+                    f"MixedPrecision: {name} must be a floating-point torch.dtype or None, "
+                    f"got {dtype!r}."
+                )
+
+    def reduce_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype gradients of a parameter of `param_dtype` are reduced in."""
+        return self.reduce_dtype or self.param_dtype or param_dtype
+
+
+def gather_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype:
+    """The dtype a flat buffer is gathered (and computed) in."""
+    if mp is None or flat.keep_fp32 or mp.param_dtype is None:
+        return flat.dtype
+    return mp.param_dtype
+
+
+def reduce_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype:
+    """The dtype a flat buffer's gradients are reduced in."""
+    if mp is None or flat.keep_fp32:
+        return flat.dtype
+    return mp.reduce_dtype_for(flat.dtype)
+
+
+def cast_inputs(mp: MixedPrecision | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Floating-point inputs cast to `mp.param_dtype` when the policy asks for it."""
+    if mp is None or not mp.cast_inputs or mp.param_dtype is None:
+        return args, kwargs
+
+    def cast(x: Any) -> Any:
+        return x.to(mp.param_dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+
+    return optree.tree_map(cast, args), optree.tree_map(cast, kwargs)
+
+
+def cast_outputs(mp: MixedPrecision | None, out: Any) -> Any:
+    """Floating-point outputs cast to `mp.output_dtype`, if set."""
+    if mp is None or mp.output_dtype is None:
+        return out
+    return optree.tree_map(
+        lambda x: x.to(mp.output_dtype) if isinstance(x, Tensor) and x.is_floating_point() else x,
+        out,
+    )

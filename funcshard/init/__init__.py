@@ -1,0 +1,12 @@
+"""Parameters made on the meta device and initialized straight into their shards.
+
+May import: core, comm.
+"""
+
+from funcshard.init._materialize import skip as skip
+from funcshard.init._materialize import whole_model as whole_model
+
+__all__ = [
+    "skip",
+    "whole_model",
+]

@@ -1,0 +1,280 @@
+"""Which parameter owns which elements of each leaf an optimizer sees.
+
+[Note: per-parameter views of a shard]
+A flat shard holds pieces of several parameters, and a parameter may be spread over several
+ranks' shards, so anything computed per parameter (LAMB's trust ratios, per-parameter
+clipping, a mask such as "no weight decay on biases") needs to know who owns each element.
+`segments(params)` says it per leaf of the optimizer's view (see [Note: the optimizer's
+leaves]): the parameters a leaf holds (`fqns`), where this rank's piece of each lies
+(`pieces`), and for a flat shard a tensor naming each element's owner, built from the layout
+once per flat buffer and rank and cached. Three operations are built on it:
+
+- `sum(values)`: per leaf, one number per parameter, each summed over the whole parameter:
+  over this rank's piece, then one all-reduce of every leaf's sums together over the shard
+  axis (replicas hold the same shards, so they are not summed again). Whole tensors (a
+  dict's, a replicated parameter) are summed locally.
+- `expand(per_param)`: the inverse shape: each element gets its owner's number (padding 0).
+- `mask(where)`: per leaf, True/False for a whole tensor or a bool tensor for a flat shard,
+  from a predicate `(fqn, param) -> bool` (the param as a meta tensor of its full shape and
+  dtype: the shard does not hold it) or a dict FQN -> bool.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from funcshard.comm import _collectives as collectives
+from funcshard.core._groups import GroupView
+from funcshard.core._layout import FlatLayout, shard_pieces
+from funcshard.core._state import ShardedGrads, ShardedState
+from funcshard.core._tree import format_names
+
+Where = Callable[[str, Tensor], bool] | Mapping[str, bool]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """This rank's part of one parameter inside a leaf: `leaf[local]` holds the flattened
+    parameter's elements `[start, start + (local.stop - local.start))`."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    local: slice
+    start: int
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    fqns: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    flat: FlatLayout | None  # None: a whole tensor, one parameter
+    shard_rank: int
+    packed: bool = False  # only this rank's pieces of `fqns`, of `flat` (see core/_groups.py)
+
+
+class Segments:
+    """The owners of each leaf's elements for one params container (see the note above)."""
+
+    def __init__(self, leaves: tuple[_Leaf, ...], group: Any, device: torch.device) -> None:
+        self._leaves = leaves
+        self._group = group  # the shard axis, or None for a dict
+        self._device = device
+        self._masks: dict[int, tuple[Where, list[bool | Tensor]]] = {}  # built once per mask
+
+    @property
+    def fqns(self) -> tuple[tuple[str, ...], ...]:
+        """Per leaf, the parameters it holds (a flat buffer's all, held here or not)."""
+        return tuple(leaf.fqns for leaf in self._leaves)
+
+    @functools.cached_property
+    def params(self) -> tuple[tuple[tuple[str, Tensor], ...], ...]:
+        """Per leaf, (fqn, a meta tensor of the parameter's full shape and dtype): what a
+        mask's or a label's predicate is given."""
+        return tuple(
+            tuple(
+                (f, torch.empty(s, dtype=leaf.dtype, device="meta"))
+                for f, s in zip(leaf.fqns, leaf.shapes, strict=True)
+            )
+            for leaf in self._leaves
+        )
+
+    def pieces(self, i: int) -> list[Piece]:
+        """This rank's piece of each parameter of leaf `i` (none for ones it holds none of)."""
+        leaf = self._leaves[i]
+        if leaf.flat is None:
+            numel = math.prod(leaf.shapes[0])
+            return [Piece(leaf.fqns[0], leaf.shapes[0], slice(0, numel), 0)]
+        return list(_pieces(leaf))
+
+    def sum(self, values: Sequence[Tensor | None]) -> list[Tensor | None]:
+        """Per leaf, each parameter's sum of `values` (lined up with the leaves) over the
+        whole parameter, in float32 (float64 stays): shape `(len(fqns[i]),)`, the same on
+        every rank. Communicates: one all-reduce over the shard axis, if any leaf is sharded."""
+        out: list[Tensor | None] = []
+        sharded = []
+        for i, (leaf, v) in enumerate(zip(self._leaves, values, strict=True)):
+            if v is None:
+                out.append(None)
+                continue
+            v = v.to(torch.promote_types(v.dtype, torch.float32))
+            if leaf.flat is None:
+                out.append(v.sum().reshape(1))
+                continue
+            owner = _owner_index(leaf, v.device)
+            local = v.new_zeros(len(leaf.fqns) + 1).index_add_(0, owner, v.reshape(-1))
+            out.append(local[:-1])
+            sharded.append(i)
+        if sharded and self._group is not None and self._group.size() > 1:
+            packed = torch.cat([out[i] for i in sharded])
+            total = collectives.all_reduce(
+                packed, self._group, "sum", what="<per-parameter sums>"
+            ).wait()
+            for i, part in zip(sharded, total.split([len(out[i]) for i in sharded]), strict=True):
+                out[i] = part
+        return out
+
+    def expand(self, per_param: Sequence[Tensor | None]) -> list[Tensor | None]:
+        """Per leaf, each element's owner's value (`per_param[i]` has one per parameter):
+        a 0-d tensor for a whole tensor, the shard's shape (padding 0) for a flat shard."""
+        out: list[Tensor | None] = []
+        for leaf, p in zip(self._leaves, per_param, strict=True):
+            if p is None:
+                out.append(None)
+            elif leaf.flat is None:
+                out.append(p.reshape(()))
+            else:
+                owner = _owner_index(leaf, p.device)
+                out.append(torch.cat([p, p.new_zeros(1)])[owner])
+        return out
+
+    def mask(self, where: Where) -> list[bool | Tensor]:
+        """Per leaf, where `where` holds: a bool for a whole tensor, a bool tensor (padding
+        False) for a flat shard."""
+        cached = self._masks.get(id(where))
+        if cached is not None and cached[0] is where:
+            return cached[1]
+        holds = _predicate(where, self.fqns)
+        out: list[bool | Tensor] = []
+        for leaf, params in zip(self._leaves, self.params, strict=True):
+            per_param = [bool(holds(f, p)) for f, p in params]
+            if leaf.flat is None:
+                out.append(per_param[0])
+            else:
+                chosen = torch.tensor([*per_param, False], device=self._device)
+                out.append(chosen[_owner_index(leaf, self._device)])
+        self._masks[id(where)] = (where, out)
+        return out
+
+
+def segments(params: Any) -> Segments:
+    """The per-parameter view of `params` (a ShardedState, a group of one in `partition`,
+    or a dict of tensors)."""
+    if isinstance(params, GroupView):
+        layout = params.layout
+        meta = _replicated_meta(params) if layout.replicated else ()
+        return _group_segments(layout, layout.mesh.shard_rank, params.parts, meta)
+    if isinstance(params, ShardedState | ShardedGrads):
+        layout = params.layout
+        return _sharded_segments(layout, layout.mesh.shard_rank, _replicated_meta(params))
+    if isinstance(params, Mapping):
+        leaves = tuple(_Leaf((k,), (tuple(v.shape),), v.dtype, None, 0) for k, v in params.items())
+        device = next((v.device for v in params.values()), torch.device("cpu"))
+        return Segments(leaves, None, device)
+    raise TypeError(
+        f"funcshard.optim.segments: params must be a ShardedState, ShardedGrads or a dict of "
+        f"tensors, got {type(params).__name__}."
+    )
+
+
+def _replicated_meta(params: ShardedState | ShardedGrads | GroupView) -> tuple:
+    """(fqn, shape, dtype) of each replicated parameter (grads may lack frozen ones')."""
+    if isinstance(params, GroupView):
+        n = len(params.layout.flats)
+        tensors = {
+            params.layout.replicated[p.source - n]: v
+            for p, v in zip(params.parts, params.values, strict=True)
+            if p.source >= n
+        }
+    else:
+        tensors = params.replicated
+    return tuple(
+        (f, tuple(tensors[f].shape), tensors[f].dtype)
+        if tensors.get(f) is not None
+        else (f, (), torch.float32)
+        for f in params.layout.replicated
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _sharded_segments(layout: Any, shard_rank: int, replicated: tuple) -> Segments:
+    leaves = [_Leaf(f.fqns, f.shapes, f.dtype, f, shard_rank) for f in layout.flats]
+    leaves += [_Leaf((f,), (shape,), dtype, None, shard_rank) for f, shape, dtype in replicated]
+    return Segments(tuple(leaves), layout.mesh.shard_group, layout.mesh.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _group_segments(layout: Any, shard_rank: int, parts: tuple, replicated: tuple) -> Segments:
+    """Segments of a group's view: packed leaves name only the group's parameters."""
+    n, whole = len(layout.flats), {f: (s, d) for f, s, d in replicated}
+    leaves = []
+    for part in parts:
+        if part.source >= n:
+            shape, dtype = whole.get(part.fqns[0], ((), torch.float32))
+            leaves.append(_Leaf(part.fqns, (shape,), dtype, None, shard_rank))
+            continue
+        flat = layout.flats[part.source]
+        if not part.packed:
+            leaves.append(_Leaf(flat.fqns, flat.shapes, flat.dtype, flat, shard_rank))
+            continue
+        shapes = tuple(flat.shapes[flat.fqns.index(f)] for f in part.fqns)
+        leaves.append(_Leaf(part.fqns, shapes, flat.dtype, flat, shard_rank, packed=True))
+    return Segments(tuple(leaves), layout.mesh.shard_group, layout.mesh.device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pieces(leaf: _Leaf) -> tuple[Piece, ...]:
+    """This rank's piece of each of a flat leaf's parameters (of a packed leaf's: only its
+    own, placed one after another)."""
+    flat = leaf.flat
+    return tuple(
+        Piece(
+            flat.fqns[p.index],
+            flat.shapes[p.index],
+            slice(p.local, p.local + p.stop - p.start),
+            p.start,
+        )
+        for p in shard_pieces(flat, leaf.shard_rank, leaf.fqns if leaf.packed else None)
+    )
+
+
+def _owner_index(leaf: _Leaf, device: torch.device) -> Tensor:
+    """Per element of a flat leaf: the index in `leaf.fqns` of the parameter that owns it
+    (`len(leaf.fqns)` for padding)."""
+    if not leaf.packed:
+        return _owners(leaf.flat, leaf.shard_rank, device)
+    return _packed_owners(leaf, device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed_owners(leaf: _Leaf, device: torch.device) -> Tensor:
+    at = {f: i for i, f in enumerate(leaf.fqns)}
+    pieces = _pieces(leaf)
+    counts = torch.tensor([p.local.stop - p.local.start for p in pieces], dtype=torch.long)
+    index = torch.tensor([at[p.fqn] for p in pieces], dtype=torch.long)
+    return torch.repeat_interleave(index, counts).to(device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _owners(flat: FlatLayout, shard_rank: int, device: torch.device) -> Tensor:
+    """Per element of rank `shard_rank`'s shard of `flat`: the index of the parameter that
+    owns it, `len(flat.fqns)` for padding."""
+    counts = torch.tensor([*flat.numels, flat.padded_numel - flat.numel])
+    owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    start = shard_rank * flat.shard_numel
+    return owner[start : start + flat.shard_numel].to(device)
+
+
+def _predicate(where: Where, fqns: tuple[tuple[str, ...], ...]) -> Callable[[str, Tensor], bool]:
+    if isinstance(where, Mapping):
+        known = {f for leaf in fqns for f in leaf}
+        unknown = [f for f in where if f not in known]
+        if unknown:
+            raise ValueError(
+                f"funcshard.optim: the mask names {format_names(unknown)}, which are not "
+                f"parameters of these params. Key it by the FQNs of funcshard.unshard."
+            )
+        return lambda fqn, _: bool(where.get(fqn, False))
+    if callable(where):
+        return where
+    raise TypeError(
+        f"funcshard.optim: a mask is a predicate (fqn, param) -> bool or a dict FQN -> bool, "
+        f"got {type(where).__name__}."
+    )

@@ -1,0 +1,394 @@
+"""Memory and communication of a plan on a mesh, per rank, without allocating anything.
+
+    est = fs.estimate(plan, fs.Mesh(shard=8))           # a Mesh, a world size, or (R, S)
+    est = fs.estimate(plan, 8, model=model, loss_fn=loss_fn, args=(x, y))  # + activations
+    est.peak, est.peak_phase, est.phases, print(est.table())
+
+[Note: what the estimate counts]
+Per unit and rank, by arithmetic on the plan: the parameter shard (in the parameter dtype,
+padded to the shard size), its gradient shard, the optimizer state (what `optimizer.init`
+makes for that shard, on the meta device: AdamW's two moments by default), the full unit
+while gathered (in the mixed-precision param dtype), its full gradient, and the bytes the
+rank sends per step with ring collectives: an all-gather or reduce-scatter over S ranks
+sends (S - 1) shards, an all-reduce over R replicas 2 (R - 1) / R of the shard.
+
+`peak` is the most bytes alive at once during one training step, in whichever phase holds
+it (forward, backward, or the optimizer's update). Besides the shards, gradient shards and
+optimizer state, it counts what the step makes on the way:
+- gathered units: the root (and any unit whose parameters are used outside its module) for
+  the whole call, each other unit while its module runs and the next one prefetched; in
+  backward each is gathered again, with the one that ran before it;
+- each unit's full gradient: autograd's per-parameter gradients, their concatenation into
+  one flat buffer (and its cast to the reduce dtype) and the reduce's shard-size output,
+  while the previous unit's reduce is in flight. The root's gradient lives from the output
+  head's backward to the embedding's; with a tied embedding its two partial gradients and
+  their sum are alive at once, so the end of backward holds the root three to four times
+  over (this was missing: the planner's peak was 21% under a measured step);
+- the optimizer's update: without `donate`, new moments and an update per shard, then
+  `apply_updates`' new parameters, while the old ones are held (AdamW: 8x the parameter
+  shards); `donate=True` (`opt.step`) updates in place;
+- with `loop=True` (the default: README's training loop), the previous step's gradients
+  and updates, which the loop's variables hold until this step returns new ones (unless
+  `opt.step` donated them);
+- given the step (`model`, `loss_fn`, `args`), the activations and whatever else the
+  step's code allocates, by running it once on the meta device (see [Note: dry run] in
+  funcshard/planning/_dryrun.py). Without it backward is walked unit by unit by arithmetic and
+  activations are left out (the table says so).
+
+Not counted: the batch itself, allocator caching and fragmentation, buffers inside the
+collective libraries. With the step given, the peak of the three models of
+benchmarks/estimate.py is within 0.2% of what `funcshard.testing.memory.LiveTensors`
+counts in a real 2-rank step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+from tabulate import tabulate
+from torch import Tensor, nn
+
+from funcshard.comm._mesh import Mesh
+from funcshard.core._binding import bind
+from funcshard.core._layout import FlatLayout, Layout, layout_of
+from funcshard.core._plan import Plan
+from funcshard.core._precision import MixedPrecision, gather_dtype, reduce_dtype
+from funcshard.optim._base import Optimizer
+from funcshard.optim._kernels import adamw
+from funcshard.planning import _dryrun as dryrun
+from funcshard.planning._attention_kernels import Target
+from funcshard.planning._dryrun import Phases
+from funcshard.planning._metabytes import MetaBytes
+
+
+def format_bytes(n: int | float) -> str:
+    """`n` bytes in B, KiB, MiB or GiB with three or so significant digits: `512 B`,
+    `40.0 KiB`, `0.98 MiB`, `1.52 MiB`, `150 MiB`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale * 1000 / 1024:  # 1,000 KiB reads better as 0.98 MiB
+            v = n / scale
+            digits = 0 if abs(v) >= 100 else 1 if abs(v) >= 10 else 2
+            return f"{v:,.{digits}f} {unit}"
+    return f"{n:,.0f} B"
+
+
+@dataclass(frozen=True)
+class UnitEstimate:
+    """Bytes per rank for one unit."""
+
+    name: str
+    params: int  # the parameter shard
+    grads: int  # the gradient shard (0 for a frozen unit)
+    optimizer: int  # the optimizer state of the shard
+    gathered: int  # the full unit, in the gather dtype
+    sent_per_step: int
+    full_grad: int = 0  # the full gradient before its reduce, in the compute dtype
+    reduced_copy: int = 0  # the full gradient cast to the reduce dtype, if that differs
+    in_flight: int = 0  # the reduce's input while it is in flight
+    chunk: int = 0  # the reduce's output, in the reduce dtype
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-unit bytes and the peak per phase a rank needs for one training step."""
+
+    units: tuple[UnitEstimate, ...]
+    replicate: int
+    shard: int
+    phases: Phases = field(default_factory=lambda: Phases(0, 0, 0))
+    activations: bool = False  # whether a dry run of the step counted them
+
+    @property
+    def persistent(self) -> int:
+        """Parameters, gradients and optimizer state held for the whole step."""
+        return sum(u.params + u.grads + u.optimizer for u in self.units)
+
+    @property
+    def gathered_peak(self) -> int:
+        """The root gathered all step, plus the two largest other units (running + prefetched)."""
+        root = sum(u.gathered for u in self.units if u.name == "")
+        others = sorted((u.gathered for u in self.units if u.name != ""), reverse=True)
+        return root + sum(others[:2])
+
+    @property
+    def sent_per_step(self) -> int:
+        return sum(u.sent_per_step for u in self.units)
+
+    @property
+    def peak(self) -> int:
+        """The most bytes alive at once during the step, per rank."""
+        return max(self.phases.forward, self.phases.backward, self.phases.optimizer)
+
+    @property
+    def peak_phase(self) -> str:
+        """Which phase the peak is in: "forward", "backward" or "optimizer"."""
+        values = {n: getattr(self.phases, n) for n in ("forward", "backward", "optimizer")}
+        return max(values, key=values.__getitem__)
+
+    def table(self, max_rows: int = 12) -> str:
+        """One row per unit (the first and last few past `max_rows`), then the totals."""
+        rows = [
+            [u.name or "<root>"]
+            + [format_bytes(v) for v in (u.params, u.grads, u.optimizer, u.gathered)]
+            + [format_bytes(u.full_grad), format_bytes(u.sent_per_step)]
+            for u in self.units
+        ]
+        if len(rows) > max_rows:
+            rows = [*rows[: max_rows // 2 - 1], ["..."] + [""] * 6, *rows[-(max_rows // 2) :]]
+        headers = ["unit", "params", "grads", "optimizer", "gathered", "full grad", "sent/step"]
+        what = (
+            "activations included (a dry run of the step on the meta device)"
+            if self.activations
+            else "activations not included (give the step to count them: model=, "
+            "loss_fn=, args= in Python, --tokens to `funcshard plan`)"
+        )
+        lines = [
+            tabulate(rows, headers=headers, colalign=("left",) + ("right",) * 6),
+            f"per rank: {format_bytes(self.persistent)} held (params + grads + optimizer "
+            f"state), {format_bytes(self.sent_per_step)} sent per step",
+            f"peak: {format_bytes(self.peak)} in {self.peak_phase} (forward "
+            f"{format_bytes(self.phases.forward)}, backward {format_bytes(self.phases.backward)}"
+            f", optimizer {format_bytes(self.phases.optimizer)}); {what}",
+        ]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def estimate(
+    plan: Plan,
+    mesh: Mesh | int | tuple[int, int],
+    shard: int | None = None,
+    param_dtype: torch.dtype | None = None,
+    *,
+    mp: MixedPrecision | None = None,
+    model: nn.Module | None = None,
+    loss_fn: Callable[..., Tensor] | None = None,
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    optimizer: Optimizer | None = None,
+    donate: bool = False,
+    reshard_after_forward: bool | int = True,
+    prefetch: bool = True,
+    loop: bool = True,
+    device: str | None = None,
+    capability: tuple[int, int] = (9, 0),
+    attention: str | None = None,
+) -> Estimate:
+    """Estimate one training step of `plan` on a mesh, per rank (see [Note: what the
+    estimate counts]).
+
+    Args:
+        plan: from `funcshard.plan`.
+        mesh: a `Mesh`, a world size (sharded over every rank), or `(replicate, shard)`.
+            `estimate(plan, replicate, shard, param_dtype)` is the older spelling.
+        mp: the `MixedPrecision` the state is sharded with.
+        model, loss_fn, args, kwargs: the step, to count activations: `loss_fn(params,
+            *args, **kwargs)` is the function given to `funcshard.value_and_grad` (it calls
+            `funcshard.call(model, params, ...)`, which takes the dict of meta parameters
+            the dry run passes as it takes a state). Without them, activations are not
+            counted. `model` alone tells which units stay gathered for the whole call.
+        optimizer: a `funcshard.optim` optimizer (default AdamW); `donate=True` if the step
+            uses `optimizer.step` (in place) rather than `update` and `apply_updates`.
+        reshard_after_forward, prefetch: as given to `funcshard.shard` / `value_and_grad`.
+        loop: the step runs in a loop like README's (`loss, grads = ...` and `updates,
+            opt_state = opt.update(...)` rebind their variables only when the next step
+            returns), so without `donate` the previous step's gradients and updates are
+            alive during forward and backward. `loop=False`: a step function
+            `state, opt_state = step(state, opt_state, batch)` whose caller holds nothing
+            else.
+        device: the device type the step will run on ("cuda" or "cpu"), on any machine:
+            no GPU is needed to plan for one. The dry run follows that device's attention
+            kernels (see [Note: attention kernels without the device] in
+            funcshard/planning/_attention_kernels.py); default cuda where available, else cpu.
+        capability: the GPU assumed for device="cuda", as (major, minor): (9, 0) is sm90
+            (H100, H200), (8, 0) an A100, (10, 0) a B200. Decides which attention kernels
+            can run.
+        attention: "flash", "efficient", "cudnn" or "math" to name the attention kernel
+            instead of torch's choice (None).
+
+    Communicates: nothing; nothing is allocated (the dry run uses the meta device).
+    """
+    replicate, shard = _sizes(mesh, shard)
+    if param_dtype is not None:
+        if mp is not None:
+            raise ValueError("funcshard.estimate: pass mp= or param_dtype, not both.")
+        mp = MixedPrecision(param_dtype=param_dtype)
+    if loss_fn is not None and model is None:
+        raise ValueError(
+            "funcshard.estimate: loss_fn needs the model it calls (model=...), whose modules "
+            "the dry run watches to gather each unit when it runs."
+        )
+    target = Target(device or _default_device(), capability, attention)  # checks them
+    optimizer = optimizer if optimizer is not None else adamw(1e-3)
+    layout = _layout(plan, shard)
+    names = _names(plan)
+    last = next((n for n in reversed(names) if n), None)  # forward's last unit: not regathered
+    units = tuple(
+        _unit(layout, name, replicate, shard, mp, optimizer, regathered=name not in ("", last))
+        for name in names
+    )
+    if loss_fn is not None:
+        spec = dryrun.StepSpec(
+            loss_fn, tuple(args), dict(kwargs or {}), optimizer, donate, mp,
+            reshard_after_forward, prefetch, loop, target,
+        )  # fmt: skip
+        phases = dryrun.run_step(model, layout, replicate, shard, spec)
+        return Estimate(units, replicate, shard, phases, activations=True)
+    whole = bind(model, layout).whole_call if model is not None else None
+    names = _names(plan)
+    whole_units = {names[i] for i in whole} if whole is not None else {""}
+    copies = shard > 1 or any(gather_dtype(mp, f) != f.dtype for f in layout.flats)
+    phases = _walk(
+        units, whole_units, layout, optimizer, donate, loop,
+        reshard=reshard_after_forward is not False and copies, prefetch=prefetch,
+        copies=copies, shard=shard,
+    )  # fmt: skip
+    return Estimate(units, replicate, shard, phases)
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sizes(mesh: Mesh | int | tuple[int, int], shard: int | None) -> tuple[int, int]:
+    if isinstance(mesh, Mesh):
+        sizes = (mesh.replicate_size, mesh.shard_size)
+    elif isinstance(mesh, int) and not isinstance(mesh, bool):
+        sizes = (mesh, shard) if shard is not None else (1, mesh)
+    elif isinstance(mesh, tuple) and len(mesh) == 2:
+        sizes = mesh
+    else:
+        raise TypeError(
+            f"funcshard.estimate: mesh must be a Mesh, a world size or (replicate, shard), "
+            f"got {mesh!r}."
+        )
+    if not all(isinstance(s, int) and s >= 1 for s in sizes):
+        raise ValueError(f"funcshard.estimate: mesh sizes must be positive ints, got {sizes}.")
+    return sizes
+
+
+def _names(plan: Plan) -> tuple[str, ...]:
+    return tuple(u.name for u in plan.units)
+
+
+def _layout(plan: Plan, shard: int) -> Layout:
+    """The flat buffers of `plan` over `shard` ranks (a Layout without a mesh: nothing here
+    communicates)."""
+    return layout_of(plan, None, shard)
+
+
+def _unit(
+    layout: Layout,
+    name: str,
+    replicate: int,
+    shard: int,
+    mp: MixedPrecision | None,
+    optimizer: Optimizer,
+    regathered: bool = True,
+) -> UnitEstimate:
+    flats = [f for f in layout.flats if f.unit == name]
+    params = grads = gathered = sent = full_grad = reduced_copy = in_flight = chunk = 0
+    for flat in flats:
+        cast = gather_dtype(mp, flat) != reduce_dtype(mp, flat)  # a copy before the reduce
+        compute, reduced = gather_dtype(mp, flat).itemsize, reduce_dtype(mp, flat).itemsize
+        params += flat.shard_numel * flat.dtype.itemsize
+        gathered += flat.padded_numel * compute
+        gathers = 2 if regathered else 1  # the root and forward's last unit: once
+        sent += gathers * (shard - 1) * flat.shard_numel * compute
+        if flat.frozen:
+            continue
+        grads += flat.shard_numel * flat.dtype.itemsize
+        full_grad += flat.padded_numel * compute
+        reduced_copy += flat.padded_numel * reduced if cast else 0
+        in_flight += flat.padded_numel * reduced
+        chunk += flat.shard_numel * reduced
+        sent += (shard - 1) * flat.shard_numel * reduced  # reduce-scatter
+        sent += 2 * (replicate - 1) * flat.shard_numel * reduced // replicate  # all-reduce
+    state = _optimizer_state_bytes(flats, optimizer)
+    return UnitEstimate(
+        name, params, grads, state, gathered, sent, full_grad, reduced_copy, in_flight, chunk
+    )
+
+
+def _optimizer_state_bytes(flats: list[FlatLayout], optimizer: Optimizer) -> int:
+    """What `optimizer.init` makes for these shards, counted on the meta device."""
+    shards = {
+        str(i): torch.empty(f.shard_numel, dtype=f.dtype, device="meta")
+        for i, f in enumerate(flats)
+        if not f.frozen
+    }
+    if not shards:
+        return 0
+    leaves = optree.tree_leaves(optimizer.init(shards))
+    return sum(
+        t.numel() * t.element_size()
+        for t in leaves
+        if isinstance(t, Tensor) and t.device.type == "meta"
+    )
+
+
+def _walk(
+    units: tuple[UnitEstimate, ...],
+    whole: set[str],
+    layout: Layout,
+    optimizer: Optimizer,
+    donate: bool,
+    loop: bool,
+    reshard: bool,
+    prefetch: bool,
+    copies: bool,
+    shard: int,
+) -> Phases:
+    """Each phase's peak by arithmetic, unit by unit, in the order a step runs them (the
+    mechanism of [Note: dry run] without the model's own tensors)."""
+    held = sum(u.params + u.optimizer for u in units)
+    if loop and not donate:  # the previous step's gradients and updates (see `carried`)
+        held += 2 * sum(u.grads for u in units)
+    gathered = {u.name: u.gathered if copies else 0 for u in units}
+    w = sum(gathered[n] for n in whole)
+    sharded = [u for u in units if u.name not in whole]
+    forward = held + w
+    for i, u in enumerate(sharded):
+        nxt = gathered[sharded[i + 1].name] if prefetch and i + 1 < len(sharded) else 0
+        kept = 0 if reshard else sum(gathered[v.name] for v in sharded[:i])
+        forward = max(forward, held + w + kept + gathered[u.name] + nxt)
+    # backward: the whole-call units' gradients (an output head's) are taken to live from
+    # its start; each other unit is regathered, computes its gradient, and is reduced
+    pending = sum(u.full_grad for u in units if u.name in whole)
+    kept = 0 if reshard else sum(gathered[u.name] for u in sharded)
+    done = flight = 0
+    backward = held + w + kept + pending
+    order = [*reversed(sharded), *(u for u in units if u.name in whole)]
+    for i, u in enumerate(order):
+        earlier = order[i + 1] if i + 1 < len(order) and order[i + 1].name not in whole else None
+        pre = gathered[earlier.name] if reshard and prefetch and earlier is not None else 0
+        mine = u.name not in whole
+        own = gathered[u.name] if reshard and mine else 0
+        grads = u.full_grad if mine else 0  # a whole-call unit's are in `pending`
+        base = held + w + kept + pending + done + pre + grads
+        cat = u.full_grad + u.reduced_copy
+        out = u.chunk if shard > 1 else 0
+        backward = max(backward, base + flight + own, base + cat + max(flight, out))
+        if u.grads:  # the reduce is in flight until the next one is issued
+            done += u.chunk if shard > 1 else u.in_flight
+            flight = u.in_flight if shard > 1 else 0
+        if not mine:
+            pending -= u.full_grad
+    return Phases(forward, backward, _optimizer_phase(layout, optimizer, donate, loop))
+
+
+def _optimizer_phase(layout: Layout, optimizer: Optimizer, donate: bool, loop: bool) -> int:
+    """The optimizer phase's peak, run on meta shards (see `dryrun.optimizer_phase`)."""
+    with MetaBytes() as live:
+        shards = [torch.empty(f.shard_numel, dtype=f.dtype, device="meta") for f in layout.flats]
+        trainable = {str(i): s for i, s in enumerate(shards) if not layout.flats[i].frozen}
+        held = dryrun.carried(trainable, optimizer, donate, loop)
+        held["grads"] = {k: torch.empty_like(v) for k, v in trainable.items()}
+        live.restart_peak()  # the previous step's gradients were dropped in backward
+        return dryrun.optimizer_phase(live, held, optimizer, donate, loop)

@@ -1,0 +1,305 @@
+"""Gathering each unit of a sharded call just before its module runs: the module hooks, and
+the run that swaps a unit's parameters into its slots and out again.
+
+[Note: per-unit gathering]
+`call(model, state, ...)` installs a forward pre-hook and post-hook on every unit's module for
+the duration of the call. The pre-hook gathers the unit through `funcshard.step._gather.gather` (the
+differentiable gather, see [Note: one differentiable gather]; its all-gathers were usually
+issued earlier, as a prefetch), swaps the parameters into the module's slots, and issues the
+next unit's all-gathers so they overlap this unit's compute (the first unit's are issued when
+the call starts, right after the whole-call units'). The post-hook swaps meta
+placeholders back in and drops the gathered buffers. The root unit, and any unit whose
+parameters are also used from outside its own module (a tied weight across units), stay
+gathered for the whole call. Outside its unit's forward a parameter slot holds a meta
+placeholder, so code that touches it there fails loudly instead of reading stale values.
+
+Differentiation is autograd's own: each gather is an autograd node whose backward reduces, so
+the call is a differentiable function of `state.shards`. Autograd runs ready nodes newest
+first, so a unit's gather node, created at its module's forward, runs (and starts its
+reduce-scatter) right after the unit's backward. A whole-call unit is gathered before any
+compute, so its node would run at the end of backward; when the first module owning one of
+its slots starts, the unit gets a second gather node over the same buffers (`Run.relink`),
+whose reduce starts once backward is past that module, as DDP's buckets do. (Slots read
+before that, e.g. by a parent module, keep the first node; both reduces add up.)
+
+Resharding after forward regathers in backward through saved-tensor hooks (see [Note:
+resharding after forward] in funcshard/step/_regather.py). torch.func refuses such hooks, so under
+its transforms units stay gathered from their forward through backward (a one-time warning
+says so), and their gathers are not prefetched.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from funcshard.comm import _chaos as chaos
+from funcshard.comm import _collectives as collectives
+from funcshard.comm._comm import Comm
+from funcshard.core import _recompute as recompute
+from funcshard.core._binding import Binding
+from funcshard.core._layout import param_views
+from funcshard.core._state import ShardedState
+from funcshard.step import _gather as gather
+from funcshard.step._deferred_reduce import wait_nodes
+from funcshard.step._gather_spec import Differentiated
+from funcshard.step._regather import Regather
+from funcshard.step._unit_gathers import UnitGathers
+
+
+class Run(UnitGathers):
+    """One sharded call's per-unit schedule: a unit's parameters gathered into its module's
+    slots when it starts and released when it returns, and their gather nodes."""
+
+    def __init__(self, binding: Binding, state: ShardedState, comm: Comm | None = None):
+        super().__init__(binding, state, comm)
+        layout = self.layout
+        reduction = self.specs[0].reduction if self.specs else "mean"
+        grad = torch.is_grad_enabled()
+        self.differentiable = tuple(
+            grad and not flat.frozen and (s.requires_grad or sink is not None)
+            for s, sink, flat in zip(state.shards, self.sinks, layout.flats, strict=True)
+        )
+        # the wait nodes come first, before any compute: see [Note: one differentiable gather]
+        asynchronous = tuple(  # (a user's reduce runs synchronously)
+            d
+            and reduction != "none"
+            and not self.functorch
+            and s.requires_grad
+            and not spec.user_reduce
+            and s.device == spec.device  # an offloaded shard's gradient goes to the host at once
+            for d, s, spec in zip(self.differentiable, state.shards, self.specs, strict=True)
+        )
+        self.deferred = wait_nodes(state.shards, self.specs, asynchronous)
+        relinked = tuple(  # a second wait node for the second gather of `relink`
+            a and flat.unit in binding.relinked_units
+            for a, flat in zip(asynchronous, layout.flats, strict=True)
+        )
+        self.relink_deferred = wait_nodes(state.shards, self.specs, relinked)
+        n_units = len(binding.unit_names)
+        self.params: list[tuple[Tensor, ...] | None] = [None] * n_units
+        self.with_grad = [False] * n_units  # the grad mode `params` were made under
+        self.relinked: set[int] = set()  # whole-call units given their later gather node
+        # nothing to free on a size-1 shard axis, where the "gathered" buffers are the shards
+        # themselves (unless mixed precision or offload made them copies)
+        alone = collectives.alone(layout.mesh.shard_group)
+        copies = not alone or state.mp is not None or state.offload
+        reshard = state.reshard_after_forward is not False and copies
+        if reshard and self.functorch and any(self.differentiable):
+            _warn_kept_gathered()
+        self.reshard = reshard and not self.functorch
+        # see [Note: resharding after forward]
+        regather = Regather(self) if self.reshard and any(self.differentiable) else None
+        self._regather: Regather | weakref.ref[Regather] | None = regather  # weak after the call
+
+    def gathered(self, unit: int) -> tuple[Tensor, ...]:
+        """A unit's parameters, waiting for its all-gathers (issuing them if needed). Made
+        again over the same buffers when grad mode changed since (a module of the unit run
+        under no_grad inside a differentiated call)."""
+        grad = torch.is_grad_enabled()
+        if self.params[unit] is not None and self.with_grad[unit] == grad:
+            return self.params[unit]
+        flats = self.binding.unit_flats[unit]
+        fulls = self.full[unit]
+        if fulls is not None and all(f is not None for f in fulls):
+            sources = tuple(collectives.Pending(f, done=True) for f in fulls)
+        else:
+            self.issue(unit)
+            sources = self.pending.pop(unit, (None,) * len(flats))
+        params: list[Tensor] = []
+        new_fulls = []
+        regather = self.regather
+        tracked = regather is not None and grad  # frozen buffers too: autograd saves them
+        for i, source in zip(flats, sources, strict=True):
+            differentiable = self.differentiable[i] and grad
+            on_backward = regather.on_backward(unit) if tracked and differentiable else None
+            views = self._gather(i, source, differentiable, on_backward)
+            full = gather.gathered_buffer(views)
+            if tracked:
+                regather.track(unit, i, full, gather_node=differentiable)
+            params.extend(views)
+            new_fulls.append(full)
+        self.full[unit] = tuple(new_fulls)
+        self.params[unit] = tuple(params)
+        self.with_grad[unit] = grad
+        return self.params[unit]
+
+    def _gather(
+        self,
+        i: int,
+        source: collectives.Pending | None,
+        differentiable: bool,
+        on_backward: Callable[[], None] | None,
+    ) -> tuple[Tensor, ...]:
+        spec = self.specs[i]
+        if differentiable:
+            shard = self.state.shards[i]
+            return gather.gather(shard, spec, source, self.sinks[i], self.deferred[i], on_backward)
+        if source is None:
+            source = gather.issue_gather(self.state.shards[i], spec)
+        return param_views(source.wait(), spec.flat)
+
+    def enter(self, unit: int) -> None:
+        """A unit's module is about to run: put its parameters in place, prefetch the next."""
+        if not torch.is_grad_enabled() and isinstance(self.state, Differentiated):
+            name = self.binding.unit_names[unit]  # a rare path: the check walks the stack
+            recompute.refuse_reentrant_checkpoint("call", f"around unit {name!r} inside a call")
+        if self.regather is not None:  # (first: the unit before is released before this
+            self.regather.entered(unit)  # one is gathered, if it was not prefetched)
+        params = self.gathered(unit)
+        self.order.append(unit)
+        nxt = self.forward_next.get(unit) if self.prefetch else None
+        if nxt is not None:
+            self.issue(nxt)
+        self._swap_in(unit, params)
+
+    def relink(self, unit: int) -> None:
+        """The first module owning a slot of a whole-call unit is about to run: give the unit
+        a fresh gather node over the buffers it already has, so that its reduce starts
+        once backward is past that module, not at the end (autograd runs the nodes created
+        first last). Slots read before, e.g. by a parent module, keep the first node, which
+        reduces their part at the end; the two reduces add up."""
+        flats = self.binding.unit_flats[unit]
+        if unit in self.relinked or not any(self.relink_deferred[i] for i in flats):
+            return  # nothing reduces asynchronously (second order, torch.func): no overlap
+        if not torch.is_grad_enabled() or not self.with_grad[unit]:
+            return  # a module run under no_grad: the next one with grad relinks
+        self.relinked.add(unit)
+        old, params = iter(self.params[unit] or ()), []
+        for i, full in zip(flats, self.full[unit] or (), strict=True):
+            views = [next(old) for _ in self.specs[i].flat.fqns]
+            deferred = self.relink_deferred[i]
+            if deferred is not None:
+                source = collectives.Pending(full, done=True)
+                shard, spec, sink = self.state.shards[i], self.specs[i], self.sinks[i]
+                views = gather.gather(shard, spec, source, sink, deferred)
+            params.extend(views)
+        self.params[unit] = tuple(params)
+        self._swap_in(unit, params)
+
+    def differentiates(self, unit: int) -> bool:
+        differentiable = self.differentiable
+        return any([differentiable[i] for i in self.binding.unit_flats[unit]])
+
+    def leave(self, unit: int) -> None:
+        """A unit's module has run: release its parameters until backward needs them."""
+        if unit in self.binding.whole_call:
+            return
+        self._swap_out(unit)
+        if self.differentiates(unit) and not self.reshard:
+            return  # kept gathered through backward (autograd holds its views anyway)
+        if self.regather is not None:
+            self.regather.release(unit, self.full[unit] or ())
+        self.full[unit] = None
+        self.params[unit] = None
+
+    def _swap_in(self, unit: int, params: Sequence[Tensor]) -> None:
+        """Put a unit's parameters in its slots (`set_slot` inlined: it runs per slot, two
+        dozen times per GPT block and call)."""
+        for slot, index, _ in self.binding.param_slots[unit]:
+            slot.module._parameters[slot.attr] = params[index]
+
+    def _swap_out(self, unit: int) -> None:
+        """Put meta placeholders in a unit's slots: a use outside its forward fails loudly."""
+        for module, placeholders in self.binding.unit_placeholders[unit]:
+            module._parameters.update(placeholders)
+
+    def recompute_params(self, unit: int) -> tuple[Tensor, ...]:
+        """A unit's parameters for a recomputation in backward, regathered if the unit was
+        resharded: fresh leaves (the gradients flow through the first forward's graph) that
+        require grad as the first forward's did, so autograd saves the same tensors."""
+        params = self.params[unit]
+        flats = self.binding.unit_flats[unit]
+        if params is None and self.regather is not None:
+            fulls = self.regather.gathered(unit)
+            params = tuple(
+                param
+                for i, full in zip(flats, fulls, strict=True)
+                for param in param_views(full, self.layout.flats[i])
+            )
+        elif params is None:  # a unit without gradients (all frozen), released after forward
+            params = tuple(p for i in flats for p in self._gather(i, None, False, None))
+        # per flat buffer, not per unit: the frozen members of a frozen="split" unit did not
+        # require grad in the first forward, so autograd saved other tensors around them
+        requires = [self.differentiable[i] for i in flats for _ in self.layout.flats[i].fqns]
+        return tuple(p.detach().requires_grad_(r) for p, r in zip(params, requires, strict=True))
+
+    @property
+    def regather(self) -> Regather | None:
+        """The resharding bookkeeping (see [Note: resharding after forward]). After the call
+        only autograd's saved-tensor hooks hold it (and it holds the run): a strong reference
+        back would be a cycle that keeps a finished step's buffers until the next gc pass."""
+        regather = self._regather
+        return regather() if isinstance(regather, weakref.ref) else regather
+
+    def after_call(self) -> None:
+        """Keep only what backward needs: the whole-call units when resharding, every
+        gathered unit when not (autograd holds their views anyway), nothing without grad."""
+        keep = [
+            self.differentiates(u) and (not self.reshard or u in self.binding.whole_call)
+            for u in range(len(self.full))
+        ]
+        self.full = [f if k else None for f, k in zip(self.full, keep, strict=True)]
+        self.params = [p if k else None for p, k in zip(self.params, keep, strict=True)]
+        if isinstance(self._regather, Regather):
+            self._regather.forward_done()
+            self._regather = weakref.ref(self._regather)
+
+
+_warned_kept_gathered = False
+
+
+def _warn_kept_gathered() -> None:
+    global _warned_kept_gathered
+    if not _warned_kept_gathered:
+        _warned_kept_gathered = True
+        warnings.warn(
+            "funcshard.call under a torch.func transform: units stay gathered from their "
+            "forward through backward (torch.func refuses the saved-tensor hooks that "
+            "reshard_after_forward regathers with), so this step holds more memory than "
+            "fs.value_and_grad or torch.autograd.grad would. Shown once.",
+            stacklevel=4,
+        )
+
+
+def install_hooks(binding: Binding, run: Run) -> list[Any]:
+    handles = [
+        module.register_forward_pre_hook(_relink_hook(run, units))
+        for module, units in binding.relinks
+    ]
+    for unit, module in enumerate(binding.unit_modules):
+        if unit in binding.whole_call:
+            continue
+        handles.append(module.register_forward_pre_hook(_pre_hook(run, unit)))
+        handles.append(module.register_forward_hook(_post_hook(run, unit), always_call=True))
+    return handles
+
+
+def _relink_hook(run: Run, units: tuple[int, ...]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        chaos.point()
+        for unit in units:
+            run.relink(unit)
+
+    return hook
+
+
+def _pre_hook(run: Run, unit: int) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        chaos.point()
+        run.enter(unit)
+
+    return hook
+
+
+def _post_hook(run: Run, unit: int) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        chaos.point()
+        run.leave(unit)
+
+    return hook

@@ -1,0 +1,141 @@
+"""`funcshard plan`: its estimates against a real 2-rank run, and the command itself."""
+
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import funcshard as fs
+from funcshard import testing
+from funcshard.cli import _main as cli
+from funcshard.comm import _collectives as collectives
+from funcshard.planning._estimate import estimate
+from funcshard.testing.models import GPT, Block, GPTConfig
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _measured(rank: int) -> dict:
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=3))
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block}))
+    state = fs.shard(model, plan, fs.Mesh(shard=2))
+    opt = fs.optim.adamw(1e-3)
+    opt_state = opt.init(state)
+    g = torch.Generator().manual_seed(rank)
+    t = torch.randint(61, (2, 17), generator=g)
+    with collectives.record() as log:
+        _, grads = fs.value_and_grad(
+            lambda s: F.cross_entropy(
+                fs.call(model, s, t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()
+            )
+        )(state)
+    sent = collectives.bytes_sent(log)
+    return {
+        "persistent": _bytes(state.shards)
+        + _bytes(grads.shards)
+        + _bytes(opt_state.exp_avg)
+        + _bytes(opt_state.exp_avg_sq),
+        "gathered": {f.unit: f.padded_numel * f.dtype.itemsize for f in state.layout.flats},
+        "sent": sent,
+        "planned": estimate(plan, 1, 2),
+    }
+
+
+def test_plan_estimates_equal_a_real_two_rank_step():
+    for r in testing.run(_measured, world_size=2):
+        planned = r["planned"]
+        assert planned.persistent == r["persistent"]
+        assert {u.name: u.gathered for u in planned.units} == r["gathered"]
+        assert planned.sent_per_step == r["sent"]
+
+
+def _plan_command(*options: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "funcshard", "plan", "funcshard.testing.models:GPT", *options]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_the_plan_command_prints_per_unit_and_total_bytes():
+    out = _plan_command("--world-size", "8", "--mesh", "2x4", "--mp", "bf16")
+    assert out.returncode == 0, out.stderr
+    assert "mesh 2x4 (replicate x shard), units: Block" in out.stdout
+    assert "blocks.0" in out.stdout and "<root>" in out.stdout
+    assert "KiB held (params + grads + optimizer state)" in out.stdout
+    assert "peak: " in out.stdout and "activations not included" in out.stdout
+
+
+def test_the_plan_command_names_a_bad_mesh():
+    out = _plan_command("--world-size", "8", "--mesh", "3x3")
+    assert out.returncode != 0 and "--mesh 3x3 has 9 ranks, not 8" in out.stderr
+
+
+def _factory_module(directory) -> str:
+    """A module in `directory` with a factory `tiny`, under a name no other test imports."""
+    name = f"fs_cli_models_{uuid.uuid4().hex[:8]}"
+    (directory / f"{name}.py").write_text(
+        "from funcshard.testing.models import GPT, GPTConfig\n\n"
+        "def tiny():\n    return GPT(GPTConfig(n_layer=3))\n"
+    )
+    return name
+
+
+def _plan_in(directory, monkeypatch, *argv: str) -> int:
+    """`funcshard plan` in-process, run from `directory` as the console script runs: with
+    sys.path starting at the script's folder, not at the current directory."""
+    monkeypatch.chdir(directory)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(directory))])
+    return cli.main(["plan", *argv])
+
+
+def test_plan_imports_the_factory_from_the_current_directory(tmp_path, monkeypatch, capsys):
+    """The console script did not look in the current directory, as `python -m` does."""
+    name = _factory_module(tmp_path)
+    assert _plan_in(tmp_path, monkeypatch, f"{name}:tiny", "--world-size", "2") == 0
+    out = capsys.readouterr().out
+    assert f"{name}:tiny: " in out and "blocks.2" in out
+    sys.modules.pop(name, None)
+
+
+def test_a_missing_module_names_where_it_looked_and_how_to_fix_it(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit) as e:
+        _plan_in(tmp_path, monkeypatch, "no_such_models:gpt", "--world-size", "2")
+    message = str(e.value.code)
+    assert "funcshard plan: no module named 'no_such_models'" in message
+    assert f"current directory {tmp_path}" in message and "PYTHONPATH" in message
+    with pytest.raises(SystemExit, match=r"has no such name: 'nope'"):
+        cli.main(["plan", "funcshard.testing.models:nope", "--world-size", "2"])
+
+
+def test_plan_sizes_print_with_a_unit_never_as_zero(capsys):
+    """Units of a few KiB printed as 0.0 MiB."""
+    assert cli.main(["plan", "funcshard.testing.models:GPT", "--world-size", "8"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("blocks.")]
+    assert rows and all("KiB" in row and " 0.0" not in row for row in rows)
+
+
+def test_plan_with_tokens_counts_activations(capsys):
+    argv = ["plan", "funcshard.testing.models:GPT", "--world-size", "2"]
+    assert cli.main([*argv, "--tokens", "4x16"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 4x16 tokens per rank" in out
+    assert "activations included (a dry run of the step on the meta device)" in out
+    with pytest.raises(SystemExit, match=r"--tokens expects AxB, e.g. 8x1024, got '4by16'"):
+        cli.main([*argv, "--tokens", "4by16"])
+
+
+def test_help_is_whole(capsys):
+    """The description was the docstring's first line, cut mid-sentence."""
+    for argv in (["--help"], ["plan", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 0
+    out = capsys.readouterr().out
+    for usage in ("funcshard plan MODULE:FACTORY", "funcshard demo", "checkpoint verify PATH"):
+        assert usage in out
+    assert "Run `funcshard COMMAND --help` for a command's options." in out
+    assert "examples:" in out and "--tokens 8x1024" in out and "the current directory" in out

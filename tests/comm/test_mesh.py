@@ -1,0 +1,232 @@
+"""Mesh: sizes, groups and ranks on real gloo process groups, and its errors."""
+
+import functools
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import funcshard as fs
+from funcshard import testing
+
+
+def _describe(kwargs: dict, rank: int) -> tuple:
+    mesh = fs.Mesh(**kwargs)
+    return (
+        mesh.replicate_rank,
+        mesh.shard_rank,
+        dist.get_process_group_ranks(mesh.shard_group),
+        dist.get_process_group_ranks(mesh.replicate_group),
+        str(mesh.device),
+        hash(mesh) == hash(fs.Mesh(**kwargs)),
+    )
+
+
+def test_fsdp_mesh_shards_over_every_rank():
+    out = testing.run(functools.partial(_describe, {"shard": 2}), world_size=2)
+    assert out == [(0, 0, [0, 1], [0], "cpu", True), (0, 1, [0, 1], [1], "cpu", True)]
+
+
+def test_ddp_mesh_replicates_over_every_rank():
+    out = testing.run(functools.partial(_describe, {"replicate": 2}), world_size=2)
+    assert [o[:4] for o in out] == [(0, 0, [0], [0, 1]), (1, 0, [1], [0, 1])]
+
+
+def test_hsdp_mesh_shards_within_rows_and_replicates_across_them():
+    out = testing.run(functools.partial(_describe, {"replicate": 2, "shard": 2}), world_size=4)
+    assert [o[:4] for o in out] == [
+        (0, 0, [0, 1], [0, 2]),
+        (0, 1, [0, 1], [1, 3]),
+        (1, 0, [2, 3], [0, 2]),
+        (1, 1, [2, 3], [1, 3]),
+    ]
+
+
+def _mismatched_mesh(rank: int) -> None:
+    fs.Mesh(shard=3)
+
+
+def test_a_mesh_that_does_not_fit_the_world_fails_on_every_rank():
+    with pytest.raises(ValueError, match=r"the mesh has 3 ranks but the world has 2") as info:
+        testing.run(_mismatched_mesh, world_size=2)
+    assert "ranks [1] raised too" in str(info.value.__cause__)
+
+
+def _from_device_mesh(rank: int) -> tuple:
+    flat = fs.Mesh.from_device_mesh(init_device_mesh("cpu", (4,)))
+    grid = fs.Mesh.from_device_mesh(
+        init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    )
+    ddp = fs.Mesh.from_device_mesh(init_device_mesh("cpu", (4,), mesh_dim_names=("replicate",)))
+    return (
+        (flat.replicate, flat.shard, flat.shard_rank),
+        (grid.replicate, grid.shard, grid.shard_rank, grid.replicate_rank),
+        (ddp.replicate, ddp.shard, ddp.replicate_rank),
+        grid == fs.Mesh(replicate=2, shard=2),
+    )
+
+
+def test_from_device_mesh_reads_one_or_two_axes():
+    out = testing.run(_from_device_mesh, world_size=4)
+    assert [o[0] for o in out] == [(1, 4, r) for r in range(4)]
+    assert [o[1] for o in out] == [(2, 2, r % 2, r // 2) for r in range(4)]
+    assert [o[2] for o in out] == [(4, 1, r) for r in range(4)]
+    assert all(o[3] for o in out)
+
+
+def test_mesh_needs_an_initialized_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialized"):
+        fs.Mesh(shard=2)
+
+
+def test_from_env_outside_torchrun_says_how_to_launch(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node N"):
+        fs.Mesh.from_env()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"shard": 0}, ValueError, "shard must be at least 1, got 0"),
+        ({"replicate": 2.0}, TypeError, "replicate must be an int, got float"),
+    ],
+)
+def test_bad_sizes_are_rejected_before_any_communication(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        fs.Mesh(**kwargs)
+
+
+def test_from_env_under_torchrun_shards_over_all_ranks():
+    script = Path(__file__).parents[1] / "scripts" / "torchrun_mesh.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0: shard 0/2 cpu sum 3" in out.stdout
+    assert "rank 1: shard 1/2 cpu sum 3" in out.stdout
+
+
+def _settings_stay_with_their_mesh(rank: int) -> tuple[bool, bool, bool]:
+    from funcshard.comm import _collective_checks as collective_checks
+
+    checked = fs.Mesh(shard=2, check_collectives=True, timeout=timedelta(seconds=3))
+    checked_group = checked.shard_group
+    plain = fs.Mesh(shard=2)
+    world = dist.group.WORLD
+    return (
+        checked_group.group_name in collective_checks._checked_groups,
+        plain.shard_group.group_name in collective_checks._checked_groups,
+        world.group_name in collective_checks._checked_groups,
+    )
+
+
+def test_a_mesh_with_checks_or_a_timeout_leaves_the_default_group_and_other_meshes_alone():
+    """A device mesh dimension spanning every rank is the default group itself: configuring
+    it would check (and time out) every later collective of every mesh in the process."""
+    for own, plain, world in testing.run(_settings_stay_with_their_mesh, world_size=2):
+        assert own and not plain and not world
+
+
+def _timeout_of(group) -> timedelta:
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+def _default_timeout_and_groups(rank: int) -> dict:
+    world = dist.group.WORLD
+    fs.Mesh(shard=2), fs.Mesh(replicate=2)  # the pool's first default meshes, if these are
+    groups = len(dist.distributed_c10d._world.pg_map)
+    fsdp, ddp = fs.Mesh(shard=2), fs.Mesh(replicate=2)
+    added = len(dist.distributed_c10d._world.pg_map) - groups
+    seconds = fs.Mesh(shard=2, timeout=30)
+    os.environ["FUNCSHARD_TIMEOUT"] = "45"
+    try:
+        from_env = fs.Mesh(shard=2)
+    finally:
+        del os.environ["FUNCSHARD_TIMEOUT"]
+    return {
+        "timeouts": (fsdp.timeout, ddp.timeout, seconds.timeout, from_env.timeout),
+        "own group timeouts": (
+            _timeout_of(fsdp.replicate_group),
+            _timeout_of(ddp.shard_group),
+            _timeout_of(seconds.shard_group),
+        ),
+        "share the default group": fsdp.shard_group == world and ddp.group == world,
+        "groups added": added,
+    }
+
+
+def test_a_mesh_waits_at_most_ten_minutes_by_default_or_funcshard_timeout_seconds():
+    """A mesh had no timeout (gloo's 30 minutes applied), and `Mesh(timeout=30)` failed in
+    pybind ("incompatible function arguments"). The default mesh shares the pool's default
+    group, whose timeout it is, and builds no group of its own per mesh."""
+    ten = timedelta(minutes=10)
+    for out in testing.run(_default_timeout_and_groups, world_size=2):
+        assert out["timeouts"] == (ten, ten, timedelta(seconds=30), timedelta(seconds=45))
+        assert out["own group timeouts"] == (ten, ten, timedelta(seconds=30))
+        assert out["share the default group"] and out["groups added"] == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: fs.Mesh(shard=2, timeout="30s"), TypeError, r"funcshard\.Mesh: timeout must "
+         r"be a datetime\.timedelta or seconds as a number, got '30s'"),
+        (lambda: fs.Mesh(timeout=-5), ValueError, r"funcshard\.Mesh: timeout must be positive"),
+        (lambda: fs.Mesh(timeout=timedelta(0)), ValueError, r"timeout must be positive .*0 s"),
+        (lambda: fs.Mesh(timeout=timedelta(days=10**6)), ValueError, "at most 365 days"),
+        (lambda: fs.Mesh(timeout=float("nan")), ValueError, "timeout must be positive"),
+        (lambda: fs.Mesh.from_env(timeout=True), TypeError,
+         r"funcshard\.Mesh\.from_env: timeout must be a datetime\.timedelta"),
+        (lambda: fs.Mesh.from_device_mesh(None, timeout=0), ValueError,
+         r"funcshard\.Mesh\.from_device_mesh: timeout must be positive"),
+        (lambda: fs.shutdown(timeout=[30]), TypeError, r"funcshard\.shutdown: timeout must be"),
+        (lambda: fs.shutdown(timeout=-1.0), ValueError, r"funcshard\.shutdown: timeout must be"),
+    ],
+)  # fmt: skip
+def test_a_bad_timeout_is_refused_naming_the_argument_before_any_communication(
+    call, error, message
+):
+    """A negative or 10**6-day timeout reached gloo raw, and timedelta(0) was accepted."""
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_a_bad_funcshard_timeout_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("FUNCSHARD_TIMEOUT", "ten minutes")
+    with pytest.raises(ValueError, match=r"FUNCSHARD_TIMEOUT: seconds as a number, got 'ten"):
+        fs.Mesh(shard=2)
+    monkeypatch.setenv("FUNCSHARD_TIMEOUT", "0")
+    with pytest.raises(ValueError, match=r"FUNCSHARD_TIMEOUT: the timeout must be positive"):
+        fs.Mesh(shard=2)
+
+
+def _shutdown_alone(rank: int) -> tuple[float, str]:
+    if rank == 0:
+        return 0.0, "rank 0 went on (it has more batches)"
+    start = time.monotonic()
+    try:
+        fs.shutdown(timeout=1)
+    except fs.CollectiveError as e:
+        return time.monotonic() - start, str(e)
+    return time.monotonic() - start, "returned"
+
+
+def test_shutdown_raises_within_its_timeout_naming_the_rank_that_never_came():
+    """Rank 1 left its loop and called shutdown while rank 0 went on: gloo's monitored
+    barrier bounds only rank 0's wait, so rank 1 waited out the group's timeout (10 minutes
+    here, 30 on a plain gloo group) without a word."""
+    _, (waited, message) = testing.run(_shutdown_alone, world_size=2, timeout=20)
+    assert waited < 4, waited
+    assert message.startswith("funcshard.shutdown: every rank of [0, 1] within 1 s, got rank 0 "
+                              "not there (rank 1 waited)"), message  # fmt: skip
+    assert "Give every rank the same way out of the loop" in message

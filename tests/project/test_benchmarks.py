@@ -1,0 +1,143 @@
+"""The benchmark entry points in --quick mode: they run, and write their tables, ratios and plot."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of the repository, not installed
+
+from benchmarks import gpu, muon, report  # noqa: E402
+from funcshard.step import _host_memory as host_memory  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TARGET_RATIOS = (
+    "funcshard overhead vs plain",
+    "FSDP2 / funcshard overhead",
+    "funcshard step time vs FSDP2",
+    "funcshard (FSDP) step time vs DDP",
+    "funcshard peak memory vs FSDP2",
+    "funcshard replicate step time vs DDP",
+)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def test_python_m_benchmarks_quick_writes_the_tables_ratios_and_plot(tmp_path):
+    out = _run("-m", "benchmarks", "--quick", "--out", str(tmp_path))
+    text = (tmp_path / "RESULTS.md").read_text()
+    for heading in ("The ratios the targets are about", "(a) Framework overhead"):
+        assert f"### {heading}" in text
+    for heading in ("(b) Real training", "(c) Scaling"):
+        assert f"### {heading}" in text
+    for name in TARGET_RATIOS:
+        assert re.search(rf"\| {re.escape(name)} .*\| [\d.]+x +\| [≤≥] [\d.]+x", text), name
+        assert name in out.stdout
+    for name in ("plain (1 process)", "funcshard", "FSDP2"):  # (a): ms and ratio to plain
+        assert re.search(rf"\| {re.escape(name)} +\| +[\d.]+ +\| [\d.]+x", text), name
+    for name in ("funcshard replicate", "DDP"):  # (b): ms, ratios, peak MiB, ratio
+        assert re.search(rf"\| {name} +\| +[\d.]+ +\|( [\d.]+x +\|){{2}} +[\d.]+ +\| [\d.]+x", text)
+    assert re.search(r"\| +blocks \|", text) and re.search(r"\| +ranks \|", text)  # (c)
+    assert f"torch {torch.__version__}" in text and "cores" in text  # the machine
+    assert "- Command: `" in text and "-m benchmarks --quick" in text and "- Date: " in text
+    assert "](results.png)" in text
+    assert (tmp_path / "results.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_run_py_as_a_script_rewrites_only_its_generated_section(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    before = "# Results\n\nHand-written prose.\n\n<!-- generated:start -->\nstale\n"
+    after = "<!-- generated:end -->\n\n## Earlier runs\n\nMore prose.\n"
+    results.write_text(before + after)
+    tiny = ("--quick", "--blocks", "1", "--world-sizes", "1")
+    _run("benchmarks/run.py", *tiny, "--out", str(tmp_path))
+    text = results.read_text()
+    assert text.startswith("# Results\n\nHand-written prose.\n\n<!-- generated:start -->\n")
+    assert text.endswith(after) and "stale" not in text
+    assert "### The ratios the targets are about" in text
+    assert (tmp_path / "results.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_gpu_script_on_cpu_runs_the_same_comparison_and_says_it_is_no_gpu_figure(tmp_path):
+    out = _run("-m", "benchmarks.gpu", "--device", "cpu", "--quick", "--out", str(tmp_path))
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "<!-- gpu:start -->\n## GPU script run on CPU (gloo): a check" in text
+    assert "not GPU figures" in text and "<!-- gpu:end -->" in text
+    for name in ("funcshard", "FSDP2", "plain (1 process)"):
+        # median ms, IQR ms, tokens/s, then the ratio to plain
+        row = rf"\| {re.escape(name)} +\| +[\d.]+ +\| +[\d.]+ +\| +[\d,]+ +\| [\d.]+x"
+        assert re.search(row, text), name
+        assert name in out.stdout
+    assert re.search(r"funcshard step time vs plain [\d.]+x, vs FSDP2 [\d.]+x", text)
+
+
+def test_gpu_script_without_cuda_exits_with_a_clear_message(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"no CUDA GPU is visible.*--device cpu --out DIR"):
+        gpu.main([])
+
+
+def test_gpu_script_on_cpu_refuses_to_overwrite_the_committed_results(capsys):
+    with pytest.raises(SystemExit):
+        gpu.main(["--device", "cpu"])
+    assert "give --out DIR" in capsys.readouterr().err
+
+
+def test_write_section_replaces_between_markers_or_appends(tmp_path):
+    path = tmp_path / "R.md"
+    path.write_text("# R\n\nprose\n")
+    report.write_section(path, "gpu", "first")
+    section = "<!-- gpu:start -->\n{}\n<!-- gpu:end -->\n"
+    assert path.read_text() == "# R\n\nprose\n\n" + section.format("first")
+    path.write_text(path.read_text() + "\ntail\n")
+    report.write_section(path, "gpu", "second\n")
+    assert path.read_text() == "# R\n\nprose\n\n" + section.format("second") + "\ntail\n"
+
+
+def test_write_section_refuses_a_file_with_one_marker(tmp_path):
+    path = tmp_path / "R.md"
+    path.write_text("<!-- gpu:start -->\nno end\n")
+    with pytest.raises(ValueError, match=r"R.md: expected both <!-- gpu:start --> and"):
+        report.write_section(path, "gpu", "x")
+
+
+def test_compiled_benchmark_checks_against_eager_then_times_and_meters_the_steps():
+    out = _run("-m", "benchmarks.compiled", "--layers", "1", "--rounds", "1").stdout
+    assert "loss and grads equal eager's (1e-5) on every rank: yes" in out
+    for step in ("traced and split", "split, compiled (aot_eager)"):  # timed only
+        assert re.search(rf"^{re.escape(step)}\s+[\d.]+\s+[\d.]+x$", out, flags=re.M), out
+    metered = ("eager", "eager, units kept", "fs.compile(step) (aot_eager)")
+    for step in (*metered, "fs.compile(step), units kept (aot_eager)"):  # timed and metered
+        row = rf"^{re.escape(step)}\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+[\d.]+x$"
+        assert re.search(row, out, flags=re.M), out
+
+
+@pytest.mark.skipif(host_memory._glibc_function("mallopt") is None, reason="glibc only")
+def test_host_memory_benchmark_alternates_processes_and_compares_their_faults():
+    out = _run("-m", "benchmarks.host_memory", "--quick", "--pairs", "1", "--rounds", "2")
+    rows = re.findall(r"^\| (glibc's defaults|memory kept) +\|( +\d+ +\|){2}", out.stdout, re.M)
+    assert [r[0] for r in rows] == ["glibc's defaults", "memory kept"], out.stdout
+    assert re.search(r"memory kept: funcshard / DDP [\d.]+-[\d.]+, mean [\d.]+", out.stdout)
+
+
+def test_muon_benchmark_times_and_meters_both_optimizer_steps_and_counts_state():
+    spec = muon.MuonSpec(cfg=muon.QUICK_CFG, rounds=1, warmup=0, memory_steps=1)
+    result = muon.measure(spec, 2)
+    for name in ("funcshard", "FSDP2"):
+        assert result.step[name] > 0 and result.train[name] >= result.step[name]
+        assert result.peaks[name] > 0
+    row = r"^\| +2 \|( +[\d.]+ \|( +[\d.]+ \|) [\d.]+x +\|){3}$"
+    assert re.search(row, muon.table([result], "github"), flags=re.M)
+    state = muon.state_bytes(muon.QUICK_CFG, 2)
+    for name in ("torch.optim, one process / 2", "funcshard muon + adamw", "stand-in"):
+        assert name in state
