@@ -16,8 +16,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -39,6 +39,15 @@ class FlatLayout:
     keep_fp32: bool = False
     frozen: bool = False
     frozen_fqns: tuple[str, ...] = ()  # frozen members of a trainable buffer (frozen="warn")
+
+    if TYPE_CHECKING:  # set by __post_init__; declared for type checkers only, not fields
+        numels: tuple[int, ...] = field(init=False)
+        offsets: tuple[int, ...] = field(init=False)
+        numel: int = field(init=False)
+        shard_numel: int = field(init=False)
+        padded_numel: int = field(init=False)
+        split_sizes: tuple[int, ...] = field(init=False)
+        strides: tuple[tuple[int, ...], ...] = field(init=False)
 
     def __post_init__(self) -> None:
         # Derived sizes, computed once (a layout is immutable): a step reads them per unit,

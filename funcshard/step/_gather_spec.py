@@ -5,8 +5,8 @@ transposes it), made once per layout, and the state `value_and_grad` differentia
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -30,6 +30,12 @@ class GatherSpec:
     mp: MixedPrecision | None
     reduction: str = "mean"  # "mean" | "shard" | "none"
     comm: Comm | None = None  # the user's gather and reduce, if any
+
+    if TYPE_CHECKING:  # set by __post_init__; declared for type checkers only, not fields
+        gather_dtype: torch.dtype = field(init=False)
+        reduce_dtype: torch.dtype = field(init=False)
+        device: torch.device = field(init=False)
+        axis: MeshAxis = field(init=False)
 
     @property
     def user_gather(self) -> bool:
