@@ -4,6 +4,7 @@ that schedules and reshards the collectives of a compiled graph.
 May import: optim, step, init, core, comm.
 """
 
+from funcshard.compiling._compiled_schedule import reshard_backend as reshard_backend
 from funcshard.compiling._jit import compile as compile
 from funcshard.compiling._split import Bucket as Bucket
 from funcshard.compiling._split import SplitGraph as SplitGraph
@@ -14,6 +15,7 @@ __all__ = [
     "Bucket",
     "SplitGraph",
     "compile",
+    "reshard_backend",
     "split",
     "trace",
 ]
