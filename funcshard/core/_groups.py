@@ -41,14 +41,38 @@ class Part:
     packed: bool
 
 
-@dataclass(frozen=True, eq=False)
 class GroupView:
     """A group's leaves (`values`, lined up with `parts`) of a ShardedState or
-    ShardedGrads on `layout`: see [Note: a parameter group's view]."""
+    ShardedGrads on `layout`: see [Note: a parameter group's view].
 
-    values: tuple[Tensor | None, ...]
-    layout: Layout
-    parts: tuple[Part, ...]
+    Made by `group_of`, it also keeps `source`, the full view's leaves, and packs `values`
+    only when they are first read: `whole_params` reads its pieces straight from the
+    source leaves, so a group it alone reads is never copied into packed leaves."""
+
+    def __init__(
+        self,
+        values: tuple[Tensor | None, ...] | None,
+        layout: Layout,
+        parts: tuple[Part, ...],
+        source: tuple[Tensor | None, ...] | None = None,
+    ) -> None:
+        if values is None and source is None:
+            raise ValueError("GroupView needs its values or the leaves to pack them from")
+        self._values = None if values is None else tuple(values)
+        self.layout = layout
+        self.parts = parts
+        self.source = source
+
+    @property
+    def values(self) -> tuple[Tensor | None, ...]:
+        if self._values is None:
+            source, rank = self.source, self.layout.mesh.shard_rank
+            assert source is not None  # (made with one or the other)
+            self._values = tuple(
+                _packed(source[p.source], self.layout, rank, p) if p.packed else source[p.source]
+                for p in self.parts
+            )
+        return self._values
 
     def leaves(self) -> list[Tensor | None]:
         return list(self.values)
@@ -69,13 +93,7 @@ def group_of(container: Any, members: frozenset[str]) -> Any:
         )
     ensure_live(container, "partition")
     layout = container.layout
-    parts = group_parts(layout, members)
-    rank = layout.mesh.shard_rank
-    source = container.leaves()
-    values = tuple(
-        _packed(source[p.source], layout, rank, p) if p.packed else source[p.source] for p in parts
-    )
-    return GroupView(values, layout, parts)
+    return GroupView(None, layout, group_parts(layout, members), tuple(container.leaves()))
 
 
 def scatter(group: Any, updates: Any, into: list[Tensor | None], keys: list | None) -> None:
@@ -137,6 +155,11 @@ def _slices(layout: Layout, rank: int, part: Part) -> tuple[slice, ...]:
     """Where this rank's pieces of a packed part's parameters lie in its source shard."""
     pieces = shard_pieces(layout.flats[part.source], rank, part.fqns)
     return tuple(slice(p.at, p.at + p.stop - p.start) for p in pieces)
+
+
+def packed_numel(layout: Layout, part: Part) -> int:
+    """How many elements this rank's packed leaf of `part` holds."""
+    return sum(s.stop - s.start for s in _slices(layout, layout.mesh.shard_rank, part))
 
 
 def _packed(leaf: Tensor | None, layout: Layout, rank: int, part: Part) -> Tensor | None:

@@ -95,9 +95,8 @@ def muon_transform(
             buf = buf.lerp(g, 1 - momentum)
             direction = g.lerp(buf, momentum) if nesterov else buf
             ortho = orthogonalized(direction, ns_coefficients, ns_steps, eps)
-            new = p * (1 - rate * weight_decay)
-            new.add_(ortho, alpha=-_adjusted(rate, adjust_lr_fn, p.shape))
-            updates[fqn] = new.sub_(p)
+            scale = _adjusted(rate, adjust_lr_fn, p.shape)
+            updates[fqn] = _move(p, ortho, rate * weight_decay, scale)
             buffers.append(buf)
         return updates, MuonState(step=state.step + 1, momentum_buffer=tuple(buffers))
 
@@ -113,17 +112,35 @@ def orthogonalized(
 ) -> Tensor:
     """`matrix` pushed toward the nearest semi-orthogonal matrix by `steps` quintic
     Newton-Schulz iterations in `dtype` (torch.optim.Muon's: bfloat16), computed on the
-    orientation with fewer rows, so the Gram matrix is the small one."""
+    orientation with fewer rows, so the Gram matrix is the small one.
+
+    Each iteration is `x <- a x + (b G + c G^2) x` with `G = x x^T`, two fused addmm's
+    after the Gram product. The last one of a tall matrix is written transposed, `x^T <-
+    a x^T + x^T P^T`: the same products, stored in the matrix's orientation and
+    contiguous, so the caller's elementwise step reads it in order instead of through a
+    transposed view (a strided pass as costly as a matmul of this size on a CPU)."""
     a, b, c = coefficients
     tall = matrix.shape[0] > matrix.shape[1]
-    x = matrix.to(dtype)
+    x = matrix.to(dtype, copy=True)  # ours to scale in place
     x = x.T if tall else x
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
+    x.div_(x.norm().clamp(min=eps))
+    for i in range(steps):
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        if tall and i == steps - 1:
+            return torch.addmm(x.T, x.T, poly.T, beta=a)
         x = torch.addmm(x, poly, x, beta=a)
     return x.T if tall else x
+
+
+def _move(param: Tensor, ortho: Tensor, decay: float, scale: float) -> Tensor:
+    """torch.optim.Muon's move of `param` as an update: decoupled weight decay
+    (`-decay * param`) plus the orthogonalized step (`-scale * ortho`, upcast as torch's
+    in-place add upcasts it). One pass each, into one new tensor, with no intermediate
+    `param * (1 - decay)` to subtract `param` from again."""
+    if decay == 0:
+        return ortho.to(param.dtype).mul_(-scale)
+    return torch.mul(param, -decay).add_(ortho, alpha=-scale)
 
 
 def _adjusted(rate: float, adjust_lr_fn: str | None, shape: Any) -> float:

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,6 +50,7 @@ class Member:
     numel: int
     owner: int
     local: int = 0  # where this rank's piece starts in this rank's leaf
+    read: int = 0  # where `to_owners` reads it: `local`, or its place in the unpacked shard
 
     def piece(self, rank: int, shard_numel: int) -> tuple[int, int]:
         """`[lo, hi)` of the flattened parameter that rank `rank`'s shard holds."""
@@ -102,24 +104,28 @@ def plan(
     size: int,
     rank: int,
     shard: int = 1,
+    read_unpacked: bool = False,
 ) -> Plan:
     """Owners among the `size` ranks of a mesh (shard axis `shard`) for the trained
     parameters `flats` lists (leaf index, buffer, trained FQNs of it, and for a packed leaf
     the FQNs it holds pieces of: see funcshard/core/_groups.py), balanced by numel, and the whole
-    leaves `wholes` lists ((leaf index, fqn))."""
+    leaves `wholes` lists ((leaf index, fqn)). `read_unpacked`: `to_owners` will be given
+    the unpacked shards of packed leaves (a GroupView's source), `from_owners` still
+    writes packed leaves."""
     found = []
     for leaf, flat, trained, packed in flats:
         pieces = shard_pieces(flat, rank % shard, packed)
-        local = {flat.fqns[p.index]: p.local for p in pieces}  # where this rank's piece is
+        # where this rank's piece is, in the leaf written and in the leaf read
+        local = {flat.fqns[p.index]: (p.local, p.at if read_unpacked else p.local) for p in pieces}
         chosen = set(trained)
         for i, fqn in enumerate(flat.fqns):
             if fqn in chosen:
-                where = local.get(fqn, 0)
+                where = local.get(fqn, (0, 0))
                 found.append((fqn, flat.shapes[i], leaf, flat.offsets[i], flat.numels[i], where))
     owners = _balanced([f[4] for f in found], size)
     members = tuple(
-        Member(fqn, shape, leaf, offset, numel, owner, local)
-        for (fqn, shape, leaf, offset, numel, local), owner in zip(found, owners, strict=True)
+        Member(fqn, shape, leaf, offset, numel, owner, *where)
+        for (fqn, shape, leaf, offset, numel, where), owner in zip(found, owners, strict=True)
     )
     numels = [0] * (1 + max([f[0] for f in flats] + [leaf for leaf, _ in wholes] + [-1]))
     for leaf, flat, *_ in flats:
@@ -183,7 +189,7 @@ def to_owners(plan: Plan, kinds: Sequence[Sequence[Tensor | None]], group) -> li
 def from_owners(
     plan: Plan,
     updates: dict[str, Tensor],
-    like: Sequence[Tensor | None],
+    like: Sequence[Tensor | Like | None],
     group,
     out: list[Tensor | None] | None = None,
 ) -> list[Tensor | None]:
@@ -210,7 +216,7 @@ def from_owners(
         # never coexist (each is this rank's share of the group's elements)
         for m in chosen:
             if out[m.leaf] is None:
-                out[m.leaf] = torch.zeros_like(like[m.leaf])
+                out[m.leaf] = _zeros(like[m.leaf])
         for owner, buffer in enumerate(received):
             at = 0
             for m in chosen:
@@ -222,8 +228,21 @@ def from_owners(
                     at += hi - lo
     for i, g in enumerate(like):
         if out[i] is None and g is not None:
-            out[i] = torch.zeros_like(g)
+            out[i] = _zeros(g)
     return out
+
+
+class Like(NamedTuple):
+    """What `from_owners` needs of a leaf it makes: a tensor, or this when the leaf itself
+    was never made (a GroupView's packed leaf that `to_owners` read unpacked)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _zeros(like: Tensor | Like) -> Tensor:
+    return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
 
 
 def _held(plan: Plan, chosen: Sequence[Member], owner: int) -> int:
@@ -242,7 +261,7 @@ def _exchange_out(plan: Plan, chosen, kinds, dtype, group) -> dict:
         for k, m in chosen:
             lo, hi = plan.piece(m, me)
             if m.owner == r and hi > lo and plan.sends_to_owner(me, r):
-                parts.append(kinds[k][m.leaf][m.local : m.local + hi - lo])
+                parts.append(kinds[k][m.leaf][m.read : m.read + hi - lo])
         sends.append(parts)
     receives = [
         sum(hi - lo for k, m in chosen if m.owner == me for lo, hi in [plan.piece(m, r)])

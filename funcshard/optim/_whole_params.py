@@ -21,7 +21,7 @@ from typing import Any
 from torch import Tensor
 
 from funcshard.comm import _process_groups as process_groups
-from funcshard.core._groups import GroupView
+from funcshard.core._groups import GroupView, packed_numel
 from funcshard.core._state import ShardedGrads, ShardedState
 from funcshard.core._tree import format_names
 from funcshard.optim import _owners as owners
@@ -65,10 +65,11 @@ def whole_params(transform: Optimizer, chunk_numel: int = 1 << 22) -> Optimizer:
         return Owned({f: transform.init({f: values[f]}) for f in plan.owned_fqns})
 
     def update(grads: Any, state: Owned, params: Any, donate: bool = False) -> tuple[Any, Owned]:
-        grad_leaves = leaves(grads)
-        plan, group = _plan(params, tuple(g is not None for g in grad_leaves))
+        grad_leaves, param_leaves, like = _read(grads, params)
+        plan, group = _plan(params, tuple(g is not None for g in grad_leaves), like is not None)
         _check_owned(state, plan)
-        param_leaves, new_states = leaves(params), {}
+        like = grad_leaves if like is None else like
+        new_states = {}
         back: list[Tensor | None] | None = None
         for chunk in owners.chunks(plan, chunk_numel):
             grads_of, values = owners.to_owners(chunk, [grad_leaves, param_leaves], group)
@@ -79,10 +80,35 @@ def whole_params(transform: Optimizer, chunk_numel: int = 1 << 22) -> Optimizer:
                 )
                 updates[fqn] = _only(delta, fqn, grads_of[fqn])
             del grads_of, values  # before the updates' exchange: not held beside its buffers
-            back = owners.from_owners(chunk, updates, grad_leaves, group, back)
+            back = owners.from_owners(chunk, updates, like, group, back)
         return with_leaves(grads, back), Owned(new_states)
 
     return Optimizer(init, update)
+
+
+def _read(grads: Any, params: Any) -> tuple[list, list, list | None]:
+    """The gradient and parameter leaves `to_owners` reads, and what `from_owners` makes its
+    leaves like when that is not the gradient leaves. A partition group's views (see
+    funcshard/core/_groups.py) are read from their source leaves, unpacked: packing them would
+    copy every piece once more before `to_owners` copies it into its send buffer."""
+    views = isinstance(grads, GroupView) and isinstance(params, GroupView)
+    if views and grads.source is not None and params.source is not None:
+        parts = grads.parts
+        return (
+            [grads.source[p.source] for p in parts],
+            [params.source[p.source] for p in parts],
+            [_packed_like(grads, p) for p in parts],
+        )
+    return leaves(grads), leaves(params), None
+
+
+def _packed_like(view: GroupView, part: Any) -> owners.Like | None:
+    """The shape, dtype and device of a group view's leaf, without packing it."""
+    assert view.source is not None
+    leaf = view.source[part.source]
+    if leaf is None or not part.packed:
+        return leaf
+    return owners.Like((packed_numel(view.layout, part),), leaf.dtype, leaf.device)
 
 
 def _only(delta: Any, fqn: str, grad: Tensor) -> Tensor:
@@ -116,12 +142,15 @@ def _check_owned(state: Any, plan: owners.Plan) -> None:
         )
 
 
-def _plan(params: Any, live: tuple[bool, ...] | None) -> tuple[owners.Plan, Any]:
+def _plan(
+    params: Any, live: tuple[bool, ...] | None, unpacked: bool = False
+) -> tuple[owners.Plan, Any]:
     """The owners of `params`' trained parameters (those whose gradient leaf is present,
-    given `live`; else those not frozen) and the mesh group they are exchanged over."""
+    given `live`; else those not frozen) and the mesh group they are exchanged over.
+    `unpacked`: a group view's leaves are read from its source (see `_read`)."""
     if isinstance(params, GroupView):
         group, rank = _mesh_group(params.layout.mesh)
-        return _group_plan(params.layout, params.parts, rank, live), group
+        return _group_plan(params.layout, params.parts, rank, live, unpacked), group
     if isinstance(params, ShardedState | ShardedGrads):
         group, rank = _mesh_group(params.layout.mesh)
         return _sharded_plan(params.layout, rank, live), group
@@ -168,7 +197,9 @@ def _sharded_plan(layout: Any, rank: int, live: tuple[bool, ...] | None) -> owne
 
 
 @functools.lru_cache(maxsize=64)
-def _group_plan(layout: Any, parts: tuple, rank: int, live: tuple[bool, ...] | None) -> owners.Plan:
+def _group_plan(
+    layout: Any, parts: tuple, rank: int, live: tuple[bool, ...] | None, unpacked: bool = False
+) -> owners.Plan:
     """The owners of a `partition` group's parameters (see funcshard/core/_groups.py); its parts
     hold trained parameters only."""
     n = len(layout.flats)
@@ -181,4 +212,4 @@ def _group_plan(layout: Any, parts: tuple, rank: int, live: tuple[bool, ...] | N
         else:
             packed = part.fqns if part.packed else None
             flats.append((j, layout.flats[part.source], part.fqns, packed))
-    return owners.plan(flats, wholes, layout.mesh.size, rank, layout.mesh.shard_size)
+    return owners.plan(flats, wholes, layout.mesh.size, rank, layout.mesh.shard_size, unpacked)
