@@ -22,7 +22,7 @@ from tabulate import tabulate
 import funcshard as fs
 from benchmarks.common import interleaved_medians
 from funcshard import testing
-from funcshard.cli import _demo as demo
+from funcshard.cli import demo
 from funcshard.io import _checkpoint_latest as checkpoint_latest
 from funcshard.testing.models import GPT, Block, GPTConfig
 

@@ -27,7 +27,7 @@ from tabulate import tabulate
 import funcshard as fs
 from benchmarks.common import interleaved_medians, lm_loss
 from funcshard import testing
-from funcshard.compiling._compiled_schedule import reshard_backend
+from funcshard.compiling import reshard_backend
 from funcshard.testing.memory import LiveTensors, metering_compiler
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 

@@ -33,7 +33,7 @@ from tabulate import tabulate
 import funcshard as fs
 from benchmarks import report
 from funcshard import testing
-from funcshard.cli import _demo as demo
+from funcshard.cli import demo
 from funcshard.planning._estimate import estimate, format_bytes
 from funcshard.testing.memory import LiveTensors
 from funcshard.testing.models import GPT, Block, GPTConfig

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import funcshard as fs
-from funcshard.cli import _demo as demo
-from funcshard.comm import _collectives as collectives
+from funcshard.cli import demo
+from funcshard.comm import bytes_sent, record
 from funcshard.testing.models import GPT, Block
 
 BLOCK = 128  # gradient elements per fp32 scale
@@ -75,13 +75,13 @@ def train(steps: int, quick: bool, comm: fs.Comm | None, rank: int) -> dict:
     for step in range(steps):
         x, y = demo.batches(data, cfg, step, cfg.batch * nproc)
         x, y = x.chunk(nproc)[rank], y.chunk(nproc)[rank]
-        with collectives.record() as log:
+        with record() as log:
             if comm:
                 grad_fn = fs.value_and_grad(loss_fn, comm=comm, carry=residual)
                 loss, grads, residual = grad_fn(state, x, y)  # the residual threaded
             else:
                 loss, grads = fs.value_and_grad(loss_fn)(state, x, y)
-        reduced.append(collectives.bytes_sent([r for r in log if r.op != "all_gather"]))
+        reduced.append(bytes_sent([r for r in log if r.op != "all_gather"]))
         state, opt_state = opt.step(grads, opt_state, state)
         losses.append(loss)
     residual_bytes = sum(r.numel() * r.element_size() for r in residual or () if r is not None)

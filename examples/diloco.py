@@ -24,8 +24,8 @@ import functools
 import torch
 
 import funcshard as fs
-from funcshard.cli import _demo as demo
-from funcshard.comm import _collectives as collectives
+from funcshard.cli import demo
+from funcshard.comm import bytes_sent, record
 from funcshard.testing.models import GPT, Block
 
 
@@ -98,11 +98,11 @@ def train(steps: int, inner_steps: int, quick: bool, rank: int) -> dict:
     for name, run in runs.items():
         losses, across = [], []
         for _ in range(steps):
-            with collectives.record() as log:
+            with record() as log:
                 loss, _ = next(run)
             # a collective across replicas: its ranks are in more than one replica group
             crossing = [r for r in log if len({g // shard for g in r.ranks}) > 1]
-            across.append(collectives.bytes_sent(crossing))
+            across.append(bytes_sent(crossing))
             losses.append(loss)
         out[name] = {
             "losses": fs.pmean(torch.stack(losses), state.layout.mesh).tolist(),

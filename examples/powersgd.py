@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 import funcshard as fs
-from funcshard.cli import _demo as demo
-from funcshard.comm import _collectives as collectives
+from funcshard.cli import demo
+from funcshard.comm import bytes_sent, record
 from funcshard.testing.models import GPT, Block
 
 RANK = 2  # columns of P and Q
@@ -158,13 +158,13 @@ def train(steps: int, quick: bool, kind: str, rank_r: int | None, rank: int) -> 
     for step in range(steps):
         x, y = demo.batches(data, cfg, step, cfg.batch * nproc)
         x, y = x.chunk(nproc)[rank], y.chunk(nproc)[rank]
-        with collectives.record() as log:
+        with record() as log:
             if comm is None:
                 loss, grads = fs.value_and_grad(loss_fn)(state, x, y)
             else:
                 grad_fn = fs.value_and_grad(loss_fn, comm=comm, carry=carry)
                 loss, grads, carry = grad_fn(state, x, y)  # residuals and Qs threaded
-        reduced.append(collectives.bytes_sent([r for r in log if r.op != "all_gather"]))
+        reduced.append(bytes_sent([r for r in log if r.op != "all_gather"]))
         state, opt_state = opt.step(grads, opt_state, state)
         losses.append(loss)
     return {

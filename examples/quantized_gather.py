@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import funcshard as fs
-from funcshard.cli import _demo as demo
-from funcshard.comm import _collectives as collectives
+from funcshard.cli import demo
+from funcshard.comm import bytes_sent, record
 from funcshard.testing.models import GPT, Block
 
 BLOCK = 256  # weights per scale: 4 bytes of scale per 256 bytes of codes
@@ -64,9 +64,9 @@ def train(steps: int, quick: bool, comm: fs.Comm | None, rank: int) -> dict:
     for step in range(steps):
         x, y = demo.batches(data, cfg, step, cfg.batch * nproc)
         x, y = x.chunk(nproc)[rank], y.chunk(nproc)[rank]
-        with collectives.record() as log:
+        with record() as log:
             loss, grads = grad_fn(state, x, y)
-        gathered.append(collectives.bytes_sent([r for r in log if r.op == "all_gather"]))
+        gathered.append(bytes_sent([r for r in log if r.op == "all_gather"]))
         state, opt_state = opt.step(grads, opt_state, state)
         losses.append(loss)
     return {"losses": fs.pmean(torch.stack(losses), mesh).tolist(), "gathered": gathered[-1]}

@@ -4,6 +4,9 @@ happens when one fails. The bottom wing: it imports nothing else of funcshard.
 May import: torch only.
 """
 
+from funcshard.comm._collectives import Record as Record
+from funcshard.comm._collectives import bytes_sent as bytes_sent
+from funcshard.comm._collectives import record as record
 from funcshard.comm._comm import Comm as Comm
 from funcshard.comm._comm import MeshAxis as MeshAxis
 from funcshard.comm._failfast import fail_fast as fail_fast
@@ -16,6 +19,9 @@ __all__ = [
     "Comm",
     "Mesh",
     "MeshAxis",
+    "Record",
+    "bytes_sent",
     "fail_fast",
+    "record",
     "shutdown",
 ]
