@@ -83,7 +83,7 @@ def value_and_grad(
         )
 
     @functools.wraps(f, updated=())  # (merging f.__dict__ is untraceable for a partial)
-    def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         if torch.compiler.is_compiling():
             return step(params, *args, **kwargs)
         start = failures.count_issued()
@@ -95,7 +95,7 @@ def value_and_grad(
                 waits.left_step("funcshard.value_and_grad", error, start, ranks)
             raise
 
-    def step(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def step(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         if isinstance(params, ShardedState):
             reduction = "none" if not reduce else "mean" if all_reduce else "shard"
             if carry is not None:

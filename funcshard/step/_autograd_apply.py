@@ -20,6 +20,7 @@ def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
     if torch._C._are_functorch_transforms_active() or torch.compiler.is_dynamo_compiling():
         return function.apply(*args)
     unwrap = torch._C._functorch.unwrap_if_dead
-    args = [unwrap(a) if isinstance(a, Tensor) else a for a in args]  # (a list comprehension:
-    # a generator resumes once per item, and this runs per unit and step)
-    return super(torch.autograd.Function, function).apply(*args)
+    unwrapped = [unwrap(a) if isinstance(a, Tensor) else a for a in args]  # (a list
+    # comprehension: a generator resumes once per item, and this runs per unit and step)
+    # the C++ apply of torch._C._FunctionBase, absent from torch's stubs
+    return super(torch.autograd.Function, function).apply(*unwrapped)  # type: ignore[misc]

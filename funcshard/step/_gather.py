@@ -250,9 +250,11 @@ def _alone(grads: tuple[Tensor | None, ...]) -> bool:
         return False
     g = grads[0]
     base = g._base
+    # (Tensor._use_count: a private torch API, absent from its stubs)
     if base is None:
-        return (g._use_count(), _storage_users(g)) == _FRESH[:2]
-    return (g._use_count(), _storage_users(g), base._use_count()) == _FRESH[2:]
+        return (g._use_count(), _storage_users(g)) == _FRESH[:2]  # type: ignore[attr-defined]
+    counts = (g._use_count(), _storage_users(g), base._use_count())  # type: ignore[attr-defined]
+    return counts == _FRESH[2:]
 
 
 def _storage_users(t: Tensor) -> int:
@@ -265,12 +267,14 @@ def _fresh_counts() -> tuple[int, ...]:
     t = torch.empty(2, 2)
     view = torch.empty(2, 2).t()
     base = view._base
+    assert base is not None  # a transpose is a view
+    # (Tensor._use_count: a private torch API, absent from its stubs)
     return (
-        t._use_count(),
+        t._use_count(),  # type: ignore[attr-defined]
         _storage_users(t),
-        view._use_count(),
+        view._use_count(),  # type: ignore[attr-defined]
         _storage_users(view),
-        base._use_count(),
+        base._use_count(),  # type: ignore[attr-defined]
     )
 
 

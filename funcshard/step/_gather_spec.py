@@ -115,10 +115,10 @@ def specs_and_sinks(
     """How each flat buffer of `state` is gathered, and its gradient sink (None but under
     `value_and_grad(reduce=False)`): what the eager and the traced call both need. `comm`
     is the call's own; without it, value_and_grad's (if any)."""
-    differentiated = isinstance(state, Differentiated)
-    reduction = state.reduction if differentiated else "mean"
-    if comm is None and differentiated:
-        comm = state.comm
+    differentiated = state if isinstance(state, Differentiated) else None
+    reduction = differentiated.reduction if differentiated is not None else "mean"
+    if comm is None and differentiated is not None:
+        comm = differentiated.comm
     if comm is not None and not isinstance(comm, Comm):
         raise TypeError(f"funcshard.call: comm must be a funcshard.Comm, got {comm!r}.")
     layout = state.layout
@@ -132,7 +132,7 @@ def specs_and_sinks(
             f"an HSDP mesh) to use a gather."
         )
     specs = _specs(layout, state.mp, reduction, comm)
-    sinks = state.sinks if differentiated and state.sinks is not None else None
+    sinks = differentiated.sinks if differentiated is not None else None
     return specs, sinks if sinks is not None else (None,) * len(specs)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
@@ -37,7 +38,7 @@ class GatheredState(ShardedState):
 
     gathered: tuple[Tensor, ...] = ()
 
-    def replace(self, **changes: object) -> ShardedState:
+    def replace(self, **changes: Any) -> ShardedState:
         """A copy with some fields changed: a plain ShardedState once the shards change."""
         ensure_live(self, "GatheredState.replace")
         if "shards" not in changes:
@@ -66,6 +67,6 @@ def keep_gathered(state: ShardedState) -> GatheredState:
     return GatheredState(**fields, gathered=tuple(p.wait() for p in pending))
 
 
-def _state_fields(state: ShardedState) -> dict[str, object]:
+def _state_fields(state: ShardedState) -> dict[str, Any]:
     """The fields a plain ShardedState has, taken from `state`."""
     return {f.name: getattr(state, f.name) for f in dataclasses.fields(ShardedState)}

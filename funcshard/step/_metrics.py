@@ -223,7 +223,7 @@ def _header(spec: optree.PyTreeSpec, tensors: list[Tensor]) -> Tensor:
     """The checked collective's buffer before the payload: the digest of the leaves' paths,
     shapes and dtypes as float64 (piece, piece^2, ...), then `_INLINE` zeros; made once per
     tree shape (on the CPU: copy it before writing)."""
-    key = (spec, tuple((t.shape, t.dtype) for t in tensors))
+    key: tuple[object, ...] | None = (spec, tuple((t.shape, t.dtype) for t in tensors))
     try:
         header = _DIGESTS.get(key)
     except TypeError:  # a pytree node whose static data does not hash

@@ -69,7 +69,7 @@ def reduce(
         else collectives.all_reduce(p.wait(), mesh.replicate_group, op, what=flat.unit)
         for flat, p in zip(layout.flats, scattered, strict=True)
     ]
-    shards = []
+    shards: list[Tensor | None] = []
     for flat, p, r in zip(layout.flats, scattered, replicated_reduce, strict=True):
         if p is None:
             shards.append(None)
@@ -99,7 +99,8 @@ def _reduce_with(
     layout, mesh = state.layout, state.layout.mesh
     carries = check_carry(carry, state, "reduce") if carry is not None else None
     op = "avg" if divide_factor is None else "sum"
-    shards, new_carry = [], []
+    shards: list[Tensor | None] = []
+    new_carry: list[Tensor | None] = []
     for i, flat in enumerate(layout.flats):
         c = carries[i] if carries is not None else None
         if flat.frozen:
@@ -116,8 +117,8 @@ def _reduce_with(
         shards.append(grad.to(flat.dtype))
         new_carry.append(c)
     replicated = reduce_replicated(state, full_grads, op, all_reduce, divide_factor)
-    grads = ShardedGrads(shards=tuple(shards), layout=layout, replicated=replicated)
-    return grads if carries is None else (grads, tuple(new_carry))
+    sharded = ShardedGrads(shards=tuple(shards), layout=layout, replicated=replicated)
+    return sharded if carries is None else (sharded, tuple(new_carry))
 
 
 def reduce_replicated(
@@ -133,8 +134,8 @@ def reduce_replicated(
     a trainable one is zero; frozen ones get None."""
     layout = state.layout
     out: dict[str, Tensor | None] = dict.fromkeys(layout.replicated)
-    local = {f: grads.get(f) for f in layout.replicated_trainable}
-    local = {f: torch.zeros_like(state.replicated[f]) if g is None else g for f, g in local.items()}
+    given = {f: grads.get(f) for f in layout.replicated_trainable}
+    local = {f: torch.zeros_like(state.replicated[f]) if g is None else g for f, g in given.items()}
     if not local or not layout.reduce_replicated:
         return {**out, **local}
     mesh = layout.mesh

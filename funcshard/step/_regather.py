@@ -182,6 +182,7 @@ class Regather:
             run.full[unit] = None
             run.issue(unit)
             return
+        assert self.k is not None  # slices are kept only when resharding to k ranks
         group = run.layout.mesh.post_forward_group(self.k)
         name = run.binding.unit_names[unit]
         run.pending[unit] = tuple(collectives.all_gather(s, group, what=name) for s in slices)

@@ -6,6 +6,7 @@ DDP and FSDP2.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -44,7 +45,7 @@ def full_state_dict(state: ShardedState) -> dict[str, Tensor] | None:
 
 
 def from_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Tensor], plan: Plan, mesh: Mesh, **options: object
+    model: nn.Module, state_dict: Mapping[str, Tensor], plan: Plan, mesh: Mesh, **options: Any
 ) -> ShardedState:
     """Shard a plain `model.state_dict()` (from PyTorch, DDP, FSDP2's full state dict, or
     `full_state_dict`) as `shard` would shard a model holding those values.

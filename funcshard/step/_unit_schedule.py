@@ -33,7 +33,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -102,32 +102,35 @@ class Run(UnitGathers):
         again over the same buffers when grad mode changed since (a module of the unit run
         under no_grad inside a differentiated call)."""
         grad = torch.is_grad_enabled()
-        if self.params[unit] is not None and self.with_grad[unit] == grad:
-            return self.params[unit]
+        made = self.params[unit]
+        if made is not None and self.with_grad[unit] == grad:
+            return made
         flats = self.binding.unit_flats[unit]
         fulls = self.full[unit]
+        sources: tuple[collectives.Pending | None, ...]
         if fulls is not None and all(f is not None for f in fulls):
-            sources = tuple(collectives.Pending(f, done=True) for f in fulls)
+            sources = tuple(collectives.Pending(cast(Tensor, f), done=True) for f in fulls)
         else:
             self.issue(unit)
             sources = self.pending.pop(unit, (None,) * len(flats))
         params: list[Tensor] = []
         new_fulls = []
-        regather = self.regather
-        tracked = regather is not None and grad  # frozen buffers too: autograd saves them
+        tracker = self.regather if grad else None  # tracks frozen buffers too: autograd saves them
         for i, source in zip(flats, sources, strict=True):
             differentiable = self.differentiable[i] and grad
-            on_backward = regather.on_backward(unit) if tracked and differentiable else None
+            on_backward = None
+            if tracker is not None and differentiable:
+                on_backward = tracker.on_backward(unit)
             views = self._gather(i, source, differentiable, on_backward)
             full = gather.gathered_buffer(views)
-            if tracked:
-                regather.track(unit, i, full, gather_node=differentiable)
+            if tracker is not None:
+                tracker.track(unit, i, full, gather_node=differentiable)
             params.extend(views)
             new_fulls.append(full)
         self.full[unit] = tuple(new_fulls)
-        self.params[unit] = tuple(params)
+        made = self.params[unit] = tuple(params)
         self.with_grad[unit] = grad
-        return self.params[unit]
+        return made
 
     def _gather(
         self,
@@ -170,11 +173,13 @@ class Run(UnitGathers):
         if not torch.is_grad_enabled() or not self.with_grad[unit]:
             return  # a module run under no_grad: the next one with grad relinks
         self.relinked.add(unit)
-        old, params = iter(self.params[unit] or ()), []
+        old = iter(self.params[unit] or ())
+        params: list[Tensor] = []
         for i, full in zip(flats, self.full[unit] or (), strict=True):
-            views = [next(old) for _ in self.specs[i].flat.fqns]
+            views: Sequence[Tensor] = [next(old) for _ in self.specs[i].flat.fqns]
             deferred = self.relink_deferred[i]
             if deferred is not None:
+                assert full is not None  # None only under torch.func, which defers nothing
                 source = collectives.Pending(full, done=True)
                 shard, spec, sink = self.state.shards[i], self.specs[i], self.sinks[i]
                 views = gather.gather(shard, spec, source, sink, deferred)
@@ -202,12 +207,14 @@ class Run(UnitGathers):
         """Put a unit's parameters in its slots (`set_slot` inlined: it runs per slot, two
         dozen times per GPT block and call)."""
         for slot, index, _ in self.binding.param_slots[unit]:
-            slot.module._parameters[slot.attr] = params[index]
+            # (a plain tensor in a parameter slot, as torch.func.functional_call puts; torch's
+            # stubs type the slots as Parameters)
+            slot.module._parameters[slot.attr] = params[index]  # type: ignore[assignment]
 
     def _swap_out(self, unit: int) -> None:
         """Put meta placeholders in a unit's slots: a use outside its forward fails loudly."""
         for module, placeholders in self.binding.unit_placeholders[unit]:
-            module._parameters.update(placeholders)
+            module._parameters.update(placeholders)  # type: ignore[arg-type]  # (as `_swap_in`)
 
     def recompute_params(self, unit: int) -> tuple[Tensor, ...]:
         """A unit's parameters for a recomputation in backward, regathered if the unit was
@@ -275,6 +282,7 @@ def install_hooks(binding: Binding, run: Run) -> list[Any]:
     for unit, module in enumerate(binding.unit_modules):
         if unit in binding.whole_call:
             continue
+        assert module is not None  # a unit without a module (buckets) is a whole-call one
         handles.append(module.register_forward_pre_hook(_pre_hook(run, unit)))
         handles.append(module.register_forward_hook(_post_hook(run, unit), always_call=True))
     return handles

@@ -43,7 +43,7 @@ class UnshardHandle:
     fqns: tuple[str, ...]  # the model's `named_parameters()` order (see `_model_order`)
 
     def wait(self) -> dict[str, Tensor]:
-        full = {}
+        full: dict[str, Tensor] = {}
         for flat, pending in self.pending:
             full.update(zip(flat.fqns, param_views(pending.wait(), flat), strict=True))
         full.update(self.replicated)

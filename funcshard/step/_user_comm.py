@@ -5,7 +5,7 @@ cast.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor
 
@@ -49,5 +49,5 @@ def user_reduce(grad: Tensor, spec: GatherSpec, carry: Any = None) -> Any:
             )
         out, new_carry = out
     _check_user_result(out, spec.flat.shard_numel, spec, "reduce")
-    out = out.reshape(-1).to(grad.dtype)
+    out = cast(Tensor, out).reshape(-1).to(grad.dtype)  # a tensor: checked just above
     return out if carry is None else (out, new_carry)
