@@ -220,7 +220,8 @@ def _meta(reports, entries, flat_of, per_rank, per_replica, mesh, checksums, me)
 def _create(root: str, step: Any, mesh: Any, first: bool) -> tuple[Any, str]:
     """On the first rank: this job's writer of `root` and a fresh directory of its own; its
     name on every rank. Communicates: one all-gather."""
-    me, found = None, None
+    me = None
+    found: str | tuple[str, str] | None = None
     if first:
         try:
             os.makedirs(root, exist_ok=True)

@@ -132,7 +132,8 @@ def load_hf(
     if not isinstance(strict, bool):
         raise TypeError(f"{LOAD}: strict must be True or False, got {strict!r}.")
     root = os.fspath(path)
-    loaded, kept, problem = None, [], None
+    loaded, problem = None, None
+    kept: list[str] = []
     try:  # reported on every rank below, never a hang
         with ExitStack() as stack:
             handles, entries = _headers(root, stack)
@@ -218,7 +219,8 @@ def _headers(root: str, stack: ExitStack) -> tuple[dict[str, Any], dict[str, _En
     from safetensors import safe_open
 
     files, weight_map = _files(root)
-    handles, entries = {}, {}
+    handles: dict[str, Any] = {}
+    entries: dict[str, _Entry] = {}
     for file in files:
         try:
             handles[file] = handle = stack.enter_context(safe_open(file, framework="pt"))

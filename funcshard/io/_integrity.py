@@ -25,6 +25,7 @@ import os
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from funcshard.io import _dcp as dcp
 
@@ -98,7 +99,7 @@ def checksum_share(directory: str, share: int, shares: int) -> list[dict]:
 
 def write(directory: str, chunk_records: Iterable[dict], files: Iterable[str]) -> None:
     """Write the checksums file: the chunk records and whole-file records of `files`."""
-    record = {
+    record: dict[str, Any] = {
         "algorithm": "crc32",
         "files": {f: _file_record(os.path.join(directory, f)) for f in files},
         "chunks": sorted(chunk_records, key=lambda r: (r["file"], r["start"])),

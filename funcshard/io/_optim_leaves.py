@@ -80,6 +80,7 @@ def _described(tree: Any, base: str, align: Align, layout: Layout) -> tuple[list
     pairs, torch_spec = torch_pytree.tree_flatten_with_path(tree, is_leaf=_is_node)
     described: list[tuple[Any, str, Any]] = []
     parts: list[Any] = []
+    part: _OwnedPart | _GroupsPart | tuple[Any, int] | None  # what `rebuild` reads
     for path, leaf in pairs:
         prefix = (base + torch_pytree.keystr(path)).lstrip(".")
         if isinstance(leaf, Owned):
@@ -116,7 +117,8 @@ def _group_items(prefix: str, node: Any, layout: Layout) -> tuple[list, _GroupsP
 def rebuild(spec: Any, leaves: list[Any]) -> Any:
     """The optimizer state `optim_leaves` flattened, from its (loaded) leaves."""
     torch_spec, parts = spec
-    outer, at = [], 0
+    outer: list[Any] = []
+    at = 0
     for part in parts:
         if isinstance(part, _GroupsPart):
             states = {}
@@ -208,7 +210,8 @@ def _owned_items(prefix: str, node: Owned) -> tuple[list[tuple[Any, str, Any]], 
 def _flatten(tree: Any, where: str) -> tuple[list[tuple[str, Any]], Any]:
     """(subpath, leaf) pairs of one parameter's state, and its flattening."""
     pairs, torch_spec = torch_pytree.tree_flatten_with_path(tree)
-    out, parts = [], []
+    out: list[tuple[str, Any]] = []
+    parts = []
     for path, leaf in pairs:
         if isinstance(leaf, Owned):
             raise TypeError(
@@ -222,7 +225,9 @@ def _flatten(tree: Any, where: str) -> tuple[list[tuple[str, Any]], Any]:
     return out, (torch_spec, parts)
 
 
-def _leaf_items(prefix: str, leaf: Any, last: Any) -> tuple[list[tuple[str, Any, Any]], Any]:
+def _leaf_items(
+    prefix: str, leaf: Any, last: Any
+) -> tuple[list[tuple[str, Any, Any]], tuple[Any, int] | None]:
     """A torch-pytree leaf as savable items (key, value, last path entry), opened with optree
     where torch sees a leaf that optree knows; anything else unsavable is refused."""
     if _savable(leaf):

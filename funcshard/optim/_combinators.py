@@ -95,6 +95,7 @@ def _chosen(where: bool | Tensor, then: Tensor | None, otherwise: Tensor | None)
     if where is False:
         return otherwise
     if then is None:
+        assert otherwise is not None  # not both None: returned above
         return torch.where(where, 0, otherwise)
     return torch.where(where, then, 0 if otherwise is None else otherwise)
 

@@ -6,7 +6,7 @@ tensors (see [Note: optimizers] in funcshard/optim/__init__.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -95,7 +95,7 @@ def sgd(
         grads: Any, state: SgdState, params: Any, donate: bool = False
     ) -> tuple[Any, SgdState]:
         rate, step = _lr_at(lr, state.step), state.step + 1
-        updates = [None] * len(state.momentum)
+        updates: list[Tensor | None] = [None] * len(state.momentum)
         momenta = list(state.momentum)
         for i, p, g in _live(grads, params):
             # torch.optim.sgd's single-tensor kernel, writing the update instead of the param
@@ -218,10 +218,8 @@ def _adam_family(
         flat buffer, i.e. per unit. Writes `targets`, `ms` and `vs` in place."""
         count = step.to(torch.float32)
         groups: dict[tuple, list[tuple[Tensor, ...]]] = {}
-        for members in zip(targets, gs, ms, vs, strict=True):
-            groups.setdefault((members[0].device, members[0].dtype, members[1].dtype), []).append(
-                members
-            )
+        for row in zip(targets, gs, ms, vs, strict=True):
+            groups.setdefault((row[0].device, row[0].dtype, row[1].dtype), []).append(row)
         for (device, *_), members in groups.items():
             t, g, m, v = (list(column) for column in zip(*members, strict=True))
             fused(
@@ -251,8 +249,10 @@ def _adam_family(
         n = step.double() if tracing else int(step)
         step_size = rate / (1 - beta1**n)
         bias_correction2_sqrt = (1 - beta2**n) ** 0.5
-        updates = [None] * len(state.exp_avg)
-        m_all, v_all = list(state.exp_avg), list(state.exp_avg_sq)
+        updates: list[Tensor | None] = [None] * len(state.exp_avg)
+        # read at live leaves only, whose moments are tensors (None: a frozen unit's leaf)
+        m_all = cast(list[Tensor], list(state.exp_avg))
+        v_all = cast(list[Tensor], list(state.exp_avg_sq))
         decay_of = decays(params)
         live = _live(grads, params)
         batched = [
@@ -318,19 +318,22 @@ def _adam_family(
         rate, step = _lr_at(lr, state.step), state.step + 1
         decay_of = decays(params)
         whole = [(i, p, g) for i, p, g in live if decay_of[i] is True]
+        # read at live leaves only, whose moments are tensors (None: a frozen unit's leaf)
+        m_all = cast(tuple[Tensor, ...], state.exp_avg)
+        v_all = cast(tuple[Tensor, ...], state.exp_avg_sq)
         with torch.no_grad():  # parameters that require grad are written in place too
             if whole:
                 fused_many(
                     [p for _, p, _ in whole],
                     [g for _, _, g in whole],
-                    [state.exp_avg[i] for i, _, _ in whole],
-                    [state.exp_avg_sq[i] for i, _, _ in whole],
+                    [m_all[i] for i, _, _ in whole],
+                    [v_all[i] for i, _, _ in whole],
                     step,
                     rate,
                 )
             for i, p, g in live:
                 if decay_of[i] is not True:
-                    m, v = state.exp_avg[i], state.exp_avg_sq[i]
+                    m, v = m_all[i], v_all[i]
                     fused_step_of(p, g, m, v, step, rate, decay_of[i], True)
         new_state = AdamState(step=step, exp_avg=state.exp_avg, exp_avg_sq=state.exp_avg_sq)
         return _donated_params(params, grads, "Optimizer.step"), new_state

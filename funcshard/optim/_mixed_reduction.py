@@ -47,13 +47,15 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from funcshard.core._groups import GroupView
+from funcshard.core._layout import FlatLayout
 from funcshard.core._state import ShardedGrads, ShardedState
 from funcshard.core._tree import format_names
 
@@ -151,6 +153,7 @@ def _marks(grads: Any, state: Any, params: Any) -> dict[int, tuple[weakref.ref, 
 def _mixed_leaves(container: Any) -> list[_Mixed | None] | None:
     """Per leaf of a sharded container, its buffer if it mixes parameters (more than one, or
     one split over the shard axis), else None; None for a container of whole tensors."""
+    pairs: list[tuple[FlatLayout | None, tuple[str, ...]]]
     if isinstance(container, ShardedState | ShardedGrads):
         flats = container.layout.flats
         pairs = [(f, f.fqns) for f in flats] + [(None, ())] * len(container.layout.replicated)
@@ -230,12 +233,12 @@ class _Detector(TorchFunctionMode):
 
     def _marked(self, values: list[Any]) -> list[tuple[Tensor, _Mixed]]:
         """The marked tensors among an op's arguments (and inside list arguments)."""
-        found = []
+        found: list[tuple[Tensor, _Mixed]] = []
         for v in values:
             for t in v if isinstance(v, list | tuple) else (v,):
                 entry = self.marks.get(id(t)) if isinstance(t, Tensor) else None
                 if entry is not None and entry[0]() is t:
-                    found.append((t, entry[1]))
+                    found.append((cast(Tensor, t), entry[1]))  # marked: a Tensor
         return found
 
     def _carry(self, inputs: list[tuple[Tensor, _Mixed]], out: Any) -> None:
@@ -290,7 +293,7 @@ class _Detector(TorchFunctionMode):
 def _caller() -> Any:
     """The frame that called the op being handled, past torch's own; None if that frame is
     funcshard's (whose whole-leaf reductions are meant: see the Note)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if module == __name__ or module == "torch" or module.startswith("torch."):

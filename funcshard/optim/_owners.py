@@ -171,7 +171,9 @@ def to_owners(plan: Plan, kinds: Sequence[Sequence[Tensor | None]], group) -> li
     out: list[dict[str, Tensor]] = [{} for _ in kinds]
     for k, leaves in enumerate(kinds):
         for whole in plan.wholes:
-            out[k][whole.fqn] = leaves[whole.leaf]
+            leaf = leaves[whole.leaf]
+            assert leaf is not None  # a planned whole is trained: its leaves are present
+            out[k][whole.fqn] = leaf
     entries = [(k, m) for k in range(len(kinds)) for m in plan.members]
     for dtype, chosen in _by_dtype(entries, lambda e: kinds[e[0]][e[1].leaf].dtype):
         pieces = _exchange_out(plan, chosen, kinds, dtype, group)
@@ -200,8 +202,8 @@ def from_owners(
     Communicates: one uneven all-to-all per dtype over the shard group."""
     out = [None] * len(like) if out is None else out
     for whole in plan.wholes:
-        if like[whole.leaf] is not None:
-            out[whole.leaf] = updates[whole.fqn].to(like[whole.leaf].dtype)
+        if (leaf := like[whole.leaf]) is not None:
+            out[whole.leaf] = updates[whole.fqn].to(leaf.dtype)
     for dtype, chosen in _by_dtype(plan.members, lambda m: like[m.leaf].dtype):
         mine = [m for m in chosen if m.owner == plan.rank]
         sends = [

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -22,7 +22,8 @@ from funcshard.optim._leaves import with_leaves
 def _param_leaves(params: Any) -> list[Tensor]:
     if isinstance(params, ShardedState | GroupView):
         ensure_live(params, "optim")
-        return params.leaves()
+        # a params' view (not a grads') holds a tensor at every leaf
+        return cast(list[Tensor], params.leaves())
     if isinstance(params, Mapping):
         ensure_live(params, "optim")
         return list(params.values())
@@ -158,7 +159,7 @@ def _without_frozen_members(state: ShardedState, delta: list[Tensor | None]) -> 
         start = rank * flat.shard_numel
         ranges = frozen_ranges(flat, start, start + flat.shard_numel)
         if ranges:
-            out[i] = u.clone()  # the caller's updates are not written
+            cleared = out[i] = u.clone()  # the caller's updates are not written
             for r in ranges:
-                out[i][r] = 0
+                cleared[r] = 0
     return out

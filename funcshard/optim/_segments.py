@@ -25,7 +25,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -113,11 +113,12 @@ class Segments:
             out.append(local[:-1])
             sharded.append(i)
         if sharded and self._group is not None and self._group.size() > 1:
-            packed = torch.cat([out[i] for i in sharded])
+            sums = [cast(Tensor, out[i]) for i in sharded]  # appended above, never None
+            packed = torch.cat(sums)
             total = collectives.all_reduce(
                 packed, self._group, "sum", what="<per-parameter sums>"
             ).wait()
-            for i, part in zip(sharded, total.split([len(out[i]) for i in sharded]), strict=True):
+            for i, part in zip(sharded, total.split([len(s) for s in sums]), strict=True):
                 out[i] = part
         return out
 
@@ -176,6 +177,7 @@ def segments(params: Any) -> Segments:
 
 def _replicated_meta(params: ShardedState | ShardedGrads | GroupView) -> tuple:
     """(fqn, shape, dtype) of each replicated parameter (grads may lack frozen ones')."""
+    tensors: Mapping[str, Tensor | None]
     if isinstance(params, GroupView):
         n = len(params.layout.flats)
         tensors = {
@@ -186,8 +188,8 @@ def _replicated_meta(params: ShardedState | ShardedGrads | GroupView) -> tuple:
     else:
         tensors = params.replicated
     return tuple(
-        (f, tuple(tensors[f].shape), tensors[f].dtype)
-        if tensors.get(f) is not None
+        (f, tuple(t.shape), t.dtype)
+        if (t := tensors.get(f)) is not None
         else (f, (), torch.float32)
         for f in params.layout.replicated
     )
@@ -224,6 +226,7 @@ def _pieces(leaf: _Leaf) -> tuple[Piece, ...]:
     """This rank's piece of each of a flat leaf's parameters (of a packed leaf's: only its
     own, placed one after another)."""
     flat = leaf.flat
+    assert flat is not None  # a flat leaf's
     return tuple(
         Piece(
             flat.fqns[p.index],

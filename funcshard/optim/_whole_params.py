@@ -81,6 +81,7 @@ def whole_params(transform: Optimizer, chunk_numel: int = 1 << 22) -> Optimizer:
                 updates[fqn] = _only(delta, fqn, grads_of[fqn])
             del grads_of, values  # before the updates' exchange: not held beside its buffers
             back = owners.from_owners(chunk, updates, like, group, back)
+        assert back is not None  # chunks() cuts a plan into at least one
         return with_leaves(grads, back), Owned(new_states)
 
     return Optimizer(init, update)
