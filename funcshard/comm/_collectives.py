@@ -182,6 +182,7 @@ def all_gather(shard: Tensor, group: ProcessGroup, what: str | None = None) -> P
 def _gathering(shard: Tensor, group: ProcessGroup, op: str, what: str | None) -> Pending:
     """Issue the all-gather itself (no count, record or check: `_agree` uses it too)."""
     eager = _eager(shard)
+    work: dist.Work | exchange.Exchange
     if eager and exchange.is_gloo(group):
         with _below_autograd():
             out, work = exchange.all_gather(shard.detach(), group)
@@ -209,6 +210,7 @@ def reduce_scatter(
         return Pending(flat, done=True)
     _before("reduce_scatter", group, flat, what)
     eager = _eager(flat)
+    work: dist.Work | exchange.Exchange
     if eager and exchange.is_gloo(group):
         with _below_autograd():
             out, work = exchange.reduce_scatter(flat if owned else flat.clone(), group, op)
@@ -259,9 +261,9 @@ _ALL_REDUCE_OPTIONS: dict[str, dist.AllreduceOptions] = {}
 _REDUCE_SCATTER_OPTIONS: dict[str, dist.ReduceScatterOptions] = {}
 for _name, _op in (("avg", dist.ReduceOp.AVG), ("sum", dist.ReduceOp.SUM)):
     _ALL_REDUCE_OPTIONS[_name] = dist.AllreduceOptions()
-    _ALL_REDUCE_OPTIONS[_name].reduceOp = _op
+    _ALL_REDUCE_OPTIONS[_name].reduceOp = dist.ReduceOp(_op)
     _REDUCE_SCATTER_OPTIONS[_name] = dist.ReduceScatterOptions()
-    _REDUCE_SCATTER_OPTIONS[_name].reduceOp = _op
+    _REDUCE_SCATTER_OPTIONS[_name].reduceOp = dist.ReduceOp(_op)
 
 
 def tracing(tensors: Iterable[Tensor] = ()) -> bool:

@@ -304,6 +304,7 @@ class Mesh:
     def group(self) -> ProcessGroup:
         """The process group of every rank in the mesh (for whole-mesh checks)."""
         if self.size == dist.get_world_size():
+            assert dist.group.WORLD is not None  # the default group, which get_world_size needs
             return self._configured(dist.group.WORLD)
         return self._configured(self.device_mesh._flatten().get_group())
 
@@ -426,9 +427,9 @@ def _default_device_type() -> str:
     return "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
 
 
-_MESHES: dict[tuple[object, str, int, int], DeviceMesh] = {}
+_MESHES: dict[tuple[object, str, int, int, tuple], DeviceMesh] = {}
 _OWN_WORLDS: dict[tuple[object, tuple], ProcessGroup] = {}  # copies of the default group
-_SUBMESHES: dict[tuple[object, str | None, int, int, int], DeviceMesh] = {}
+_SUBMESHES: dict[tuple[object, str | None, int, int, int, tuple], DeviceMesh] = {}
 _REWRAPPED: dict[tuple[object, ...], DeviceMesh] = {}
 
 
@@ -472,6 +473,7 @@ def shutdown(timeout: timedelta | float = timedelta(seconds=30)) -> None:
         "fs.shutdown(). Give every rank the same way out of the loop, or a longer "
         "shutdown(timeout=...).",
     )
+    assert dist.group.WORLD is not None  # the default group: initialized, as checked above
     collectives.barrier(dist.group.WORLD, timeout)
     _MESHES.clear()
     _SUBMESHES.clear()

@@ -16,7 +16,8 @@ def issued_count(group: ProcessGroup) -> int | None:
     """How many collectives this rank has issued on `group` (the backend's sequence number,
     gloo's and NCCL's alike), or None where the backend keeps none."""
     try:
-        return group._get_sequence_number_for_group()
+        # private torch API, absent from its stubs
+        return group._get_sequence_number_for_group()  # type: ignore[attr-defined]
     except (RuntimeError, AttributeError):
         return None
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -211,12 +211,14 @@ def _inside(fqn: str, unit: str) -> bool:
 def set_slot(slot: Slot, tensor: Tensor) -> None:
     """Store a plain tensor in a parameter or buffer slot (nn.Module's setattr would refuse)."""
     store = slot.module._parameters if slot.is_param else slot.module._buffers
-    store[slot.attr] = tensor
+    # a parameter slot holds a plain tensor during a call, where torch types it as Parameter
+    store[slot.attr] = tensor  # type: ignore[assignment]  # as torch's _named_member_accessor
 
 
 def get_slot(slot: Slot) -> Tensor:
     store = slot.module._parameters if slot.is_param else slot.module._buffers
-    return store[slot.attr]
+    # a slot holds a tensor: `bind` takes no empty ones, and calls store only tensors
+    return cast(Tensor, store[slot.attr])
 
 
 def restore_slots(saved: list[tuple[Slot, Tensor]]) -> None:
@@ -225,8 +227,9 @@ def restore_slots(saved: list[tuple[Slot, Tensor]]) -> None:
         set_slot(slot, tensor)
 
 
-Saved = list[tuple[nn.Module, dict[str, Tensor]]]  # (module, what some of its slots hold)
-Snapshot = tuple[Saved, Saved]  # parameter slots, buffer slots
+Saved = list[tuple[nn.Module, dict[str, T]]]  # (module, what some of its slots hold)
+# parameter slots, buffer slots (typed as nn.Module types its parameters and buffers)
+Snapshot = tuple[Saved[nn.Parameter | None], Saved[Tensor | None]]
 
 
 def snapshot_slots(binding: Binding) -> Snapshot:
@@ -243,7 +246,7 @@ def restore_snapshot(snapshot: Snapshot) -> None:
     """Put back what `snapshot_slots` saw: the slots only (a module's other entries, e.g. a
     buffer its forward registered, stay as they are)."""
     params, buffers = snapshot
-    for module, saved in params:
-        module._parameters.update(saved)
-    for module, saved in buffers:
-        module._buffers.update(saved)
+    for module, saved_params in params:
+        module._parameters.update(saved_params)
+    for module, saved_buffers in buffers:
+        module._buffers.update(saved_buffers)

@@ -18,6 +18,8 @@ What cannot be guarded: a tensor taken out of a record or dict before it was don
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 
 
@@ -34,7 +36,7 @@ class Donated:
     def __init__(self, to: str) -> None:
         object.__setattr__(self, "to", to)
 
-    def _refuse(self, *args: object, **kwargs: object) -> None:
+    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
         raise DonatedError(
             f"funcshard: this value was donated to {self.to}, whose result now lives in its "
             f"memory. Use what that call returned, or call it with donate=False to keep "

@@ -100,9 +100,9 @@ def scatter(group: Any, updates: Any, into: list[Tensor | None], keys: list | No
     """Write a group's `updates` (a GroupView, or a dict when `keys` lists the full dict's
     keys) into `into`, the full view's update leaves (None where nothing was written yet)."""
     if keys is not None:
-        at = {f: i for i, f in enumerate(keys)}
+        where = {f: i for i, f in enumerate(keys)}
         for f, u in updates.items():
-            into[at[f]] = u
+            into[where[f]] = u
         return
     layout = group.layout
     rank = layout.mesh.shard_rank

@@ -136,7 +136,8 @@ def overlap(offset: int, numel: int, start: int, end: int) -> tuple[int, int]:
 class ShardPiece(NamedTuple):
     """A rank's piece of one parameter of a flat buffer (see `shard_pieces`)."""
 
-    index: int  # the parameter's, in the buffer's `fqns`
+    # the parameter's, in the buffer's `fqns` (the name shadows tuple.index, as mypy notes)
+    index: int  # type: ignore[assignment]
     start: int  # elements [start, stop) of the flattened parameter
     stop: int
     at: int  # where they start in the rank's shard
@@ -211,6 +212,7 @@ def layout_of(plan: Plan, mesh: Mesh | None, shard_size: int | None = None) -> L
     """Lay out a plan's units as flat buffers sharded over the mesh's shard axis (or, with
     no mesh, over `shard_size` ranks: a layout for arithmetic, as the estimator's)."""
     shard_size = mesh.shard_size if mesh is not None else shard_size
+    assert shard_size is not None  # a layout without a mesh is given its shard size
     flats = []
     for unit in plan.units:
         for dtype in unit.dtypes:
@@ -237,7 +239,8 @@ def layout_of(plan: Plan, mesh: Mesh | None, shard_size: int | None = None) -> L
     return Layout(
         flats=tuple(flats),
         replicated=plan.ignored,
-        mesh=mesh,
+        # None only in the estimator's layout, for arithmetic: nothing reads its mesh
+        mesh=mesh,  # type: ignore[arg-type]
         replicated_frozen=plan.ignored_frozen,
         reduce_replicated=plan.reduce_ignored,
     )

@@ -66,7 +66,12 @@ def cast_inputs(mp: MixedPrecision | None, args: tuple, kwargs: dict) -> tuple[t
     def cast(x: Any) -> Any:
         return x.to(mp.param_dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
 
-    return optree.tree_map(cast, args), optree.tree_map(cast, kwargs)
+    # tree_map keeps the containers' types, but optree's stubs type a tree as optree's own
+    # PyTree class, which no tuple or dict is
+    return (
+        optree.tree_map(cast, args),  # type: ignore[arg-type]
+        optree.tree_map(cast, kwargs),  # type: ignore[arg-type]
+    )  # type: ignore[return-value]
 
 
 def cast_outputs(mp: MixedPrecision | None, out: Any) -> Any:

@@ -32,6 +32,7 @@ import contextvars
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Protocol
 
 import torch
@@ -104,7 +105,7 @@ def refuse_reentrant_checkpoint(where: str, place: str = "around a call") -> Non
     with grad disabled), so the stack walk costs nothing otherwise.
     """
     target = torch.utils.checkpoint.CheckpointFunction.forward.__code__
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is target:
             raise RuntimeError(
@@ -123,9 +124,10 @@ def recording() -> Iterator[list[_Call]]:
     if torch.compiler.is_dynamo_compiling():
         yield []
         return
-    token = _RAN.set([])
+    ran: list[_Call] = []
+    token = _RAN.set(ran)
     try:
-        yield _RAN.get()
+        yield ran
     finally:
         _RAN.reset(token)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tabulate import tabulate
 from torch import Tensor
@@ -46,7 +46,7 @@ class ShardedState:
         `layout.replicated` order (what optimizers update; buffers are not among them)."""
         return [*self.shards, *(self.replicated[f] for f in self.layout.replicated)]
 
-    def replace(self, **changes: object) -> ShardedState:
+    def replace(self, **changes: Any) -> ShardedState:
         """A copy with some fields changed (the record itself never changes)."""
         ensure_live(self, "ShardedState.replace")
         return dataclasses.replace(self, **changes)

@@ -6,7 +6,7 @@ The one place that touches torch's private pytree module (`register_record`).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch.utils._pytree as torch_pytree
@@ -63,7 +63,8 @@ def register_record(cls: type, data_fields: tuple[str, ...], meta_fields: tuple[
     optree.register_pytree_node(
         cls,
         lambda record: (*flatten(record), data_fields),
-        lambda meta, children: unflatten(children, meta),
+        # the metadata is the tuple `flatten` made (optree types it as any hashable)
+        lambda meta, children: unflatten(children, cast("tuple[Any, ...]", meta)),
         path_entry_type=optree.GetAttrEntry,
         namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),
     )

@@ -202,12 +202,15 @@ def _as_meta(t: Tensor) -> Tensor:
 
 def get_slot(slot: Slot) -> Tensor:
     module, name = slot
-    return module._parameters[name] if name in module._parameters else module._buffers[name]
+    t = module._parameters[name] if name in module._parameters else module._buffers[name]
+    assert t is not None  # a slot holds a tensor: `holders` takes no empty ones
+    return t
 
 
 def _set(slot: Slot, value: Tensor) -> None:
     module, name = slot
     if name in module._parameters:
-        module._parameters[name] = value
+        # torch types the slot as Parameter; a tensor tied to a buffer may come plain
+        module._parameters[name] = value  # type: ignore[assignment]
     else:
         module._buffers[name] = value

@@ -53,7 +53,7 @@ import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast, overload
 
 import torch
 from torch import Tensor, nn
@@ -113,9 +113,10 @@ def skip(fn: PerModule | WholeModel | None = None) -> Skip:
 
 
 Init = PerModule | WholeModel | Skip | str | None
+Checked = PerModule | WholeModel | Skip | None  # an Init as check_init returns it
 
 
-def check_init(init: Init, where: str = "funcshard.shard") -> Init:
+def check_init(init: Init, where: str = "funcshard.shard") -> Checked:
     """`init` as materialize takes it ("skip" becomes `Skip()`), or a TypeError saying what
     fits, raised as `where` (the public call that was given `init`)."""
     if init == "skip":
@@ -166,7 +167,8 @@ class _Collected:
     def result(self, work: nn.Module) -> tuple[list[Tensor], dict[str, Tensor], dict[str, Tensor]]:
         replicated = {fqn: self.values.pop(fqn) for fqn in self.layout.replicated}
         buffers = {fqn: self.values.pop(fqn) for fqn, _ in work.named_buffers()}
-        return self.shards, replicated, buffers
+        # every flat was sliced once its last member arrived (else materialize raised first)
+        return cast("list[Tensor]", self.shards), replicated, buffers
 
 
 def materialize(
@@ -236,7 +238,17 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-def _on_copy(init: Init, model: nn.Module, work: nn.Module) -> Init:
+@overload
+def _on_copy(init: Skip, model: nn.Module, work: nn.Module) -> Skip: ...
+@overload
+def _on_copy(init: WholeModel, model: nn.Module, work: nn.Module) -> WholeModel: ...
+@overload
+def _on_copy(
+    init: Callable[..., None], model: nn.Module, work: nn.Module
+) -> Callable[..., None]: ...
+@overload
+def _on_copy(init: None, model: nn.Module, work: nn.Module) -> None: ...
+def _on_copy(init: Checked, model: nn.Module, work: nn.Module) -> Checked:
     """`init` with every method bound to a module of `model` rebound to that module's copy."""
     if isinstance(init, Skip):
         return Skip(_on_copy(init.fn, model, work))
@@ -285,7 +297,7 @@ def _init_whole(
 ) -> None:
     """Fill every meta tensor with a sentinel (ties kept), make the one call, hand on every
     tensor."""
-    before = dict(work.named_parameters())
+    before: dict[str, Tensor] = dict(work.named_parameters())
     before.update(work.named_buffers())
     fresh = _fill_with_sentinels(work, device)
     bound_to_work = inspect.ismethod(whole.fn) and whole.fn.__self__ is work
@@ -294,7 +306,7 @@ def _init_whole(
             whole.fn(**whole.kwargs)
         else:
             whole.fn(work, **whole.kwargs)
-    now = dict(work.named_parameters())
+    now: dict[str, Tensor] = dict(work.named_parameters())
     now.update(work.named_buffers())
     for fqn in before:
         value = now.get(fqn)
@@ -317,7 +329,9 @@ def _fill_with_sentinels(work: nn.Module, device: torch.device) -> set[str]:
 
 def _own_meta(module: nn.Module) -> list[tuple[str, Tensor, bool]]:
     """The module's own meta tensors: (name, tensor, is a parameter)."""
-    slots = [(n, t, True) for n, t in module.named_parameters(recurse=False)]
+    slots: list[tuple[str, Tensor, bool]] = [
+        (n, t, True) for n, t in module.named_parameters(recurse=False)
+    ]
     slots += [(n, t, False) for n, t in module.named_buffers(recurse=False)]
     return [(n, t, is_param) for n, t, is_param in slots if t.is_meta]
 
@@ -344,12 +358,13 @@ def _skip(
 
     _put_real(work, collected.put)
     owners = set(computed.values())
-    if computed and isinstance(fn, WholeModel):
-        _init_whole(work, fn, device, keep, missed)
-    elif computed and fn is not None:
-        init_applied(work, fn, device, keep, missed, only=owners)
-    elif computed:
-        _init_by_reset_methods(work, device, keep, missed, only=owners)
+    if computed:
+        if isinstance(fn, WholeModel):
+            _init_whole(work, fn, device, keep, missed)
+        elif fn is not None:
+            init_applied(work, fn, device, keep, missed, only=owners)
+        else:
+            _init_by_reset_methods(work, device, keep, missed, only=owners)
     uninitialized.extend(f for f in missed if f in computed)
     for fqn, shape, dtype in zeros:
         collected.put(fqn, torch.zeros(shape, dtype=dtype, device=device))
