@@ -123,7 +123,7 @@ class Plan:
 
 def plan(
     model: nn.Module,
-    policy: Policy | None = None,
+    policy: Policy | Buckets | None = None,
     ignored: Iterable[nn.Module | nn.Parameter | str] = (),
     keep_fp32: Iterable[type[nn.Module]] = (),
     frozen: str = "error",
