@@ -15,6 +15,7 @@ import glob
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -100,7 +101,12 @@ def model_config(cfg: DemoConfig) -> GPTConfig:
     )
 
 
-def lm_loss(model: GPT, params: object, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def lm_loss(
+    model: GPT,
+    params: fs.ShardedState | Mapping[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> torch.Tensor:
     logits = fs.call(model, params, x).float()
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
@@ -207,7 +213,7 @@ def parity_check(cfg: DemoConfig, reports: list[dict]) -> tuple[bool, float, int
     return worst < 1e-4, worst, peak
 
 
-def _single_process_losses(cfg: DemoConfig, rank: int) -> list[float]:
+def _single_process_losses(cfg: DemoConfig, rank: int) -> tuple[list[float], int]:
     one = DemoConfig(
         **{
             **cfg.__dict__,
@@ -231,7 +237,7 @@ def _single_process_losses(cfg: DemoConfig, rank: int) -> list[float]:
         fs.optim.clip_by_global_norm(1.0), fs.optim.adamw(one.lr, weight_decay=0.01)
     )
     opt_state = opt.init(params)
-    losses = []
+    losses: list[float] = []
     with LiveTensors() as memory:
         memory.adopt((params, opt_state))
         for step in range(PARITY_STEPS):

@@ -45,7 +45,7 @@ import itertools
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -114,9 +114,9 @@ def issue_order(units: Sequence[str]) -> list[tuple[str, int]]:
 def _record_order(graph: fx.Graph, buffers: list[_Buffer]) -> None:
     key = _order_key((b.index, b.unit) for b in buffers)
     ISSUE_ORDERS[key] = [
-        (_KINDS[n.target], tag(n)[0])
+        (_KINDS[n.target], t[0])
         for n in graph.nodes
-        if n.target in _KINDS and tag(n) is not None
+        if n.target in _KINDS and (t := tag(n)) is not None
     ]
 
 
@@ -144,7 +144,9 @@ def _buffers(graph: fx.Graph) -> list[_Buffer]:
     for node, reducing in reduce.items():  # graph order within each run
         run = found.get(root(node))
         if run is None:
-            run = found[root(node)] = _Buffer(*tag(node))
+            tagged = tag(node)
+            assert tagged is not None  # `reduce` holds tagged nodes only
+            run = found[root(node)] = _Buffer(*tagged)
         (run.reduce if reducing else run.chain).append(node)
     return list(found.values())
 
@@ -268,7 +270,8 @@ def _regathered(
     buffer that reshards to k ranks, an all-gather over those k of the 1/k slice forward
     kept (taken just after the forward all-gather's wait) and copies of the views."""
     start = next((n for n in closure if n.target is _ALL_GATHER), None)
-    regroup = REGROUPS.get(start.args[2]) if start is not None else None
+    # all_gather_into_tensor(input, group_size, group_name)
+    regroup = REGROUPS.get(cast(str, start.args[2])) if start is not None else None
     if isinstance(buffer.reshard, bool) or regroup is None or regroup[0] != buffer.reshard:
         return _copy_before(graph, anchor, closure)
     k, group, index = regroup
@@ -365,7 +368,7 @@ def _move_later_before(anchor: fx.Node, nodes: list[fx.Node]) -> None:
 
 
 @functools.cache
-def _pass_class() -> type:
+def _pass_class() -> type[Any]:
     # inductor is imported here, when a step is compiled, not when funcshard is (~1 s)
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -382,7 +385,8 @@ def _pass_class() -> type:
             schedule(graph)
 
         def uuid(self) -> Any:
-            theirs = self.before.uuid() if hasattr(self.before, "uuid") else None
+            before = self.before
+            theirs = before.uuid() if before is not None and hasattr(before, "uuid") else None
             return ("funcshard.compiling._compiled_schedule", 1, theirs)
 
     return ReshardPass
@@ -391,7 +395,7 @@ def _pass_class() -> type:
 def inductor_pass(before: Callable[[fx.Graph], None] | None = None) -> Any:
     """`schedule` as an inductor post-grad custom pass (run after `before`, if given)."""
     if before is not None and isinstance(before, _pass_class()):
-        before = before.before  # already ours: never run the schedule twice
+        before = cast(Any, before).before  # already ours: never run the schedule twice
     return _pass_class()(before)
 
 

@@ -53,7 +53,7 @@ import functools
 import itertools
 import re
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -214,7 +214,7 @@ def _count(before: dict[str, int | None], after: dict[str, int | None]) -> int |
     (None if the backend does not number them, or without a state)."""
     if not after or None in before.values() or None in after.values():
         return None
-    return sum(after[axis] - before[axis] for axis in after)  # type: ignore[operator]
+    return sum(cast(int, after[axis]) - cast(int, before[axis]) for axis in after)
 
 
 def _register_regroup(state: ShardedState) -> None:
@@ -240,17 +240,21 @@ def _issue_order(state: ShardedState) -> list[tuple[str, int]]:
 def _inductor_pass() -> contextlib.AbstractContextManager:
     """Inductor's config patched to run `compiled_schedule.schedule` on every post-grad
     graph it compiles during a call that it applies to (see `_schedulable`), after the
-    user's own pre-pass, if one is set."""
+    user's own pre-passes, if any are set."""
     from torch._inductor import config
 
     current = config.post_grad_custom_pre_pass
-    if isinstance(current, _guarded_pass_class()):  # ours, from an enclosing call
+    ours = _guarded_pass_class()
+    if isinstance(current, list | tuple):  # the user's passes, each run by inductor, then ours
+        theirs = [p for p in current if not isinstance(p, ours)]  # not an enclosing call's
+        return config.patch(post_grad_custom_pre_pass=[*theirs, ours(inductor_pass())])
+    if isinstance(current, ours):  # ours, from an enclosing call
         current = current.scheduled
-    return config.patch(post_grad_custom_pre_pass=_guarded_pass_class()(inductor_pass(current)))
+    return config.patch(post_grad_custom_pre_pass=ours(inductor_pass(current)))
 
 
 @functools.cache
-def _guarded_pass_class() -> type:
+def _guarded_pass_class() -> type[Any]:
     # inductor is imported here, when a step is compiled, not when funcshard is
     from torch._inductor.custom_graph_pass import CustomGraphPass
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -86,7 +86,8 @@ def parameters_of(gm: torch.fx.GraphModule) -> dict[str, Param]:
 
 
 def _check_leaves(args: tuple[Any, ...]) -> None:
-    paths, leaves, _ = optree.tree_flatten_with_path(args, none_is_leaf=True)
+    tree = cast("optree.PyTree[Any]", args)  # a tuple is a pytree; optree types it as a class
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
     for path, leaf in zip(paths, leaves, strict=True):
         if leaf is not None and not isinstance(leaf, Tensor):
             where = "args" + "".join(f"[{k!r}]" for k in path)
@@ -102,7 +103,9 @@ def _params_by_id(args: tuple[Any, ...]) -> dict[int, Param]:
     """Each parameter tensor of the arguments, keyed by identity."""
     states = [
         x
-        for x in optree.tree_leaves(args, is_leaf=lambda x: isinstance(x, ShardedState))
+        for x in optree.tree_leaves(
+            cast("optree.PyTree[Any]", args), is_leaf=lambda x: isinstance(x, ShardedState)
+        )
         if isinstance(x, ShardedState)
     ]
     params: dict[int, Param] = {}

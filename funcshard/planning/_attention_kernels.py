@@ -53,10 +53,10 @@ from torch.overrides import TorchFunctionMode
 
 KERNELS = ("flash", "efficient", "cudnn", "math")
 _BACKENDS = {
-    int(SDPBackend.FLASH_ATTENTION): "flash",
-    int(SDPBackend.EFFICIENT_ATTENTION): "efficient",
-    int(SDPBackend.CUDNN_ATTENTION): "cudnn",
-    int(SDPBackend.MATH): "math",
+    SDPBackend.FLASH_ATTENTION.value: "flash",
+    SDPBackend.EFFICIENT_ATTENTION.value: "efficient",
+    SDPBackend.CUDNN_ATTENTION.value: "cudnn",
+    SDPBackend.MATH.value: "math",
 }
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -217,7 +217,7 @@ def _cpu_choice(call: _Call) -> str:
         tiny(call.query), tiny(call.key), tiny(call.value), mask, call.dropout_p,
         call.is_causal, enable_gqa=call.enable_gqa,
     )  # fmt: skip
-    return "flash" if choice == int(SDPBackend.FLASH_ATTENTION) else "math"
+    return "flash" if choice == SDPBackend.FLASH_ATTENTION.value else "math"
 
 
 def attention(

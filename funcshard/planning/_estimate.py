@@ -238,6 +238,7 @@ def estimate(
             loss_fn, tuple(args), dict(kwargs or {}), optimizer, donate, mp,
             reshard_after_forward, prefetch, loop, target,
         )  # fmt: skip
+        assert model is not None  # checked above: loss_fn needs the model
         phases = dryrun.run_step(model, layout, replicate, shard, spec)
         return Estimate(units, replicate, shard, phases, activations=True)
     whole = bind(model, layout).whole_call if model is not None else None

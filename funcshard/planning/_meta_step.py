@@ -90,7 +90,9 @@ class MetaStep:
         for slot, fqn in binding.replicated_slots:
             set_slot(slot, self.replicated[fqn])
         for slot, _ in binding.buffer_slots:  # the state's buffers, on the meta device
-            set_slot(slot, torch.empty_like(slot.module._buffers[slot.attr], device="meta"))
+            buffer = slot.module._buffers[slot.attr]
+            assert buffer is not None  # bound from named_buffers, which skips None buffers
+            set_slot(slot, torch.empty_like(buffer, device="meta"))
         self.copies = self.shard > 1 or any(gather_dtype(mp, f) != f.dtype for f in flats)
         self.reshard = reshard_after_forward is not False and self.copies
         k = reshard_after_forward
@@ -127,8 +129,8 @@ class MetaStep:
             model.register_forward_pre_hook(self._begin, prepend=True, with_kwargs=True),
             model.register_forward_hook(self._end, always_call=True),
         ]
-        for module, units in binding.relinks:
-            handles.append(module.register_forward_pre_hook(self._relink_hook(units)))
+        for relinked, units in binding.relinks:
+            handles.append(relinked.register_forward_pre_hook(self._relink_hook(units)))
         for unit, module in enumerate(binding.unit_modules):
             if unit not in binding.whole_call and module is not None:
                 handles.append(module.register_forward_pre_hook(self._enter_hook(unit)))
@@ -470,5 +472,7 @@ def _dtype(binding: Binding, fqn: str) -> torch.dtype:
 def _replicated_tensor(binding: Binding, fqn: str) -> Tensor:
     for slot, name in binding.replicated_slots:
         if name == fqn:
-            return slot.module._parameters[slot.attr]
+            param = slot.module._parameters[slot.attr]
+            assert param is not None  # bound from named_parameters, which skips None
+            return param
     raise ValueError(f"funcshard.estimate: no module holds the ignored parameter {fqn!r}.")

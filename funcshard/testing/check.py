@@ -19,7 +19,7 @@ import math
 import pickle
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch.nn.functional as F
@@ -218,7 +218,8 @@ def _check_batch(case: Case, worlds: tuple[int, ...]) -> None:
             f"fs.testing.check: make_batch(step) must return (inputs, targets), got "
             f"{type(batch).__name__}. Return e.g. ((x,), y) or ({{'input_ids': x}}, y)."
         )
-    tensors = [t for t in optree.tree_leaves(batch, none_is_leaf=False) if isinstance(t, Tensor)]
+    leaves = optree.tree_leaves(cast("optree.PyTree[Any]", batch), none_is_leaf=False)
+    tensors = [t for t in leaves if isinstance(t, Tensor)]
     sizes = {t.shape[0] if t.dim() else None for t in tensors}
     if not tensors or None in sizes or len(sizes) != 1:
         raise ValueError(
@@ -226,6 +227,7 @@ def _check_batch(case: Case, worlds: tuple[int, ...]) -> None:
             f"batch along dim 0 with one size, got sizes {sorted(map(str, sizes))}."
         )
     size = sizes.pop()
+    assert size is not None  # checked above: every tensor holds the batch along dim 0
     bad = [w for w in worlds if size % w]
     if bad:
         raise ValueError(

@@ -357,6 +357,7 @@ def _step(
                 state = state.replace(buffers=buffers)
             local = grads if local is None else accumulate(local, grads)
             losses.append(loss)
+        assert local is not None  # parts > 1: the loop ran
         grads, loss = reduce(state, local, comm=comm), sum(losses)
     updates, opt_state = opt.update(grads, opt_state, state)
     return loss, apply_updates(state, updates), opt_state

@@ -16,13 +16,15 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from funcshard.comm import _exchange as exchange
+
+_Self = TypeVar("_Self", bound="LiveTensors")
 
 
 class LiveTensors(TorchDispatchMode):
@@ -45,7 +47,7 @@ class LiveTensors(TorchDispatchMode):
         self.peak = 0
         self.peak_watched = 0
 
-    def __enter__(self) -> LiveTensors:
+    def __enter__(self: _Self) -> _Self:
         self._original_resize = torch.UntypedStorage.resize_
         mode = self
 
@@ -55,14 +57,15 @@ class LiveTensors(TorchDispatchMode):
             mode._resized(storage._cdata, storage.nbytes() - before)
             return out
 
-        torch.UntypedStorage.resize_ = resize_
+        # a patch of torch's method, which its stubs declare on the private _StorageBase
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         self._observing = contextlib.ExitStack()
         if self._watch is is_all_gather:
             self._observing.enter_context(exchange.observe_gathers(self.watch_tensor))
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        torch.UntypedStorage.resize_ = self._original_resize
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
         super().__exit__(*exc)
         self._observing.close()
 

@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch.distributed as dist
 
@@ -55,6 +55,11 @@ from funcshard.testing.worker import (
     task_name,
     worker_main,
 )
+
+if TYPE_CHECKING:  # the contexts of the start methods (BaseContext itself has no Process)
+    from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
+
+    _Context = SpawnContext | ForkServerContext | ForkContext
 
 T = TypeVar("T")
 
@@ -241,8 +246,9 @@ class WorkerPool:
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask each rank for its Python stack (faulthandler on SIGUSR1) and read it back."""
         for r in ranks:
-            if self._procs[r].pid is not None and self._procs[r].is_alive():
-                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            pid = self._procs[r].pid
+            if pid is not None and self._procs[r].is_alive():
+                os.kill(pid, signal.SIGUSR1)
         time.sleep(0.5)
         stacks = {}
         for r in ranks:
@@ -294,11 +300,11 @@ DEATH_GRACE = 10.0  # seconds the surviving ranks get to report after one dies
 ERROR_GRACE = 2.0
 
 
-def _context(start_method: str | None) -> mp.context.BaseContext:
+def _context(start_method: str | None) -> _Context:
     """Forkserver with torch preloaded where the platform has it, else spawn."""
     if start_method is None:
         start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-    ctx = mp.get_context(start_method)
+    ctx = cast("_Context", mp.get_context(start_method))  # the named method's context
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch.distributed", "funcshard.testing.worker"])
     return ctx

@@ -12,8 +12,18 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from typing import Protocol, cast
 
 import pytest
+
+
+class _Runner(Protocol):  # the module funcshard.testing.runner, which this does not import
+    DEADLINE: float | None
+
+
+def _runner() -> _Runner | None:
+    """The runner module if a test module imported it, else None."""
+    return cast("_Runner | None", sys.modules.get("funcshard.testing.runner"))
 
 
 def _pytest_timeout(item: pytest.Item) -> float | None:
@@ -34,7 +44,7 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     # Set at each attempt's setup, where pytest-timeout's clock starts (a rerun of the test
     # by pytest-rerunfailures gets a deadline of its own). Collection imported the test
     # modules: if none uses the runner, there is nothing to do.
-    runner = sys.modules.get("funcshard.testing.runner")
+    runner = _runner()
     timeout = _pytest_timeout(item) if runner is not None else None
     if runner is not None and timeout is not None:
         runner.DEADLINE = time.monotonic() + timeout
@@ -44,6 +54,6 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
 @pytest.hookimpl(hookwrapper=True, trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     yield
-    runner = sys.modules.get("funcshard.testing.runner")
+    runner = _runner()
     if runner is not None:
         runner.DEADLINE = None

@@ -4,7 +4,7 @@ traceback, `RankDied` for a rank that ended, and where each unfinished rank was 
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, TypeVar
 
 
 class RankDied(RuntimeError):
@@ -32,9 +32,12 @@ def raised_before(replies: dict[int, tuple[Any, ...]]) -> str:
     return f"\nRanks {raised} raised first; see the cause above." if raised else ""
 
 
+_E = TypeVar("_E", bound=BaseException)
+
+
 def with_rank_cause(
-    error: BaseException, replies: dict[int, tuple[Any, ...]], name: str, world_size: int
-) -> BaseException:
+    error: _E, replies: dict[int, tuple[Any, ...]], name: str, world_size: int
+) -> _E:
     """Chain the first rank exception already received as the cause of a timeout or death."""
     errors = {r: reply for r, reply in replies.items() if reply[0] == "error"}
     if errors:

@@ -43,6 +43,7 @@ from funcshard.testing.harness import (
 
 def torch_optimizer(case: Case, config: Config, params: dict[str, Tensor]) -> Any:
     """The torch.optim optimizer that `harness.optimizer(case, config)` follows."""
+    assert isinstance(case.optimizer, str)  # a user's factory has no torch.optim counterpart
     return recipe.torch_optimizer(
         case.optimizer, case.lr, ADAMW_EPS, params, config.groups, config.schedule, config.clip
     )

@@ -212,8 +212,8 @@ def _unshard_fields(
         path = f"{prefix}{name}"
         if isinstance(value, Owned):
             _unshard_fields(state, _every_key(state, value), f"{path}.", out, sharded=False)
-        elif _groups(value) is not None:
-            for group, group_parts in _groups(value):
+        elif (value_groups := _groups(value)) is not None:
+            for group, group_parts in value_groups:
                 inner = {group: value.states[group]}
                 _unshard_fields(state, inner, f"{path}.states.", out, sharded, group_parts)
         elif sharded and _like_shards(value, state, parts):
@@ -274,12 +274,12 @@ def _rebuilt(
     sharded: bool = True,
     parts: tuple | None = None,
 ) -> Any:
-    changes = {}
+    changes: dict[str, Any] = {}
     for name, value in _fields(record):
         path = f"{prefix}{name}"
         if isinstance(value, Owned):
             changes[name] = Owned(_rebuilt(state, value.states, moments, f"{path}.", False))
-        elif _groups(value) is not None:
+        elif (value_groups := _groups(value)) is not None:
             states = {
                 group: _rebuilt(
                     state,
@@ -289,7 +289,7 @@ def _rebuilt(
                     sharded,
                     group_parts,
                 )[group]
-                for group, group_parts in _groups(value)
+                for group, group_parts in value_groups
             }
             changes[name] = dataclasses.replace(value, states=states)
         elif sharded and _like_shards(value, state, parts):

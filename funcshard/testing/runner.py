@@ -46,11 +46,11 @@ def run(
     check_main_can_be_rerun()
     timeout = _within_test_deadline(timeout)
     if fresh:
-        pool = WorkerPool(world_size, backend)
+        own = WorkerPool(world_size, backend)
         try:
-            return pool.run(fn, timeout)
+            return own.run(fn, timeout)
         finally:
-            pool.quit()
+            own.quit()
     key = (world_size, backend)
     pool = _POOLS.get(key)
     if pool is None or not pool.alive():

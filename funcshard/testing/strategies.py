@@ -146,6 +146,8 @@ def modules(
 class Scale(nn.Module):
     """Elementwise affine with a 0-d bias and a persistent buffer."""
 
+    shift: Tensor
+
     def __init__(self, width: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(width))
