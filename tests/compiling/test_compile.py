@@ -422,3 +422,24 @@ def test_a_collective_that_times_out_inside_a_compiled_step_raises_collective_er
         "The last collective this call issued on the shard axis was its #1 there (ranks [0, 1]): "
         f"the all-gather of unit {r['root']!r}" in r["error"]
     ), r["error"]
+
+
+def test_a_users_list_of_inductor_pre_passes_is_kept_and_the_schedule_runs_after_it():
+    """inductor accepts a list of post-grad pre-passes; fs.compile keeps the user's, in order,
+    and appends its schedule (it used to wrap the list as one pass, which inductor then
+    called: "'list' object is not callable")."""
+    from torch._inductor import config
+
+    from funcshard.compiling import _jit
+
+    def users_pass(graph):
+        pass
+
+    with config.patch(post_grad_custom_pre_pass=[users_pass]):
+        with _jit._inductor_pass():
+            passes = config.post_grad_custom_pre_pass
+            assert isinstance(passes, list) and passes[0] is users_pass and len(passes) == 2
+            assert isinstance(passes[1], _jit._guarded_pass_class())
+            with _jit._inductor_pass():  # a nested call: the schedule once, not twice
+                assert len(config.post_grad_custom_pre_pass) == 2
+        assert config.post_grad_custom_pre_pass == [users_pass]
