@@ -3,7 +3,7 @@
 # of it one after another, 4 ranks each, half the pairs through torch's functional ops and
 # half through the Work API, until SECONDS_TOTAL have passed; a line per run (ok, HUNG,
 # CRASHED) and a count per API. Each pair is a loaded 2-core machine. Used on a lent
-# 16-core machine for docs/reliability.md ("Why the soak once hung under load").
+# 16-core machine for docs/guides/faults.md ("Why the soak once hung under load").
 #   bash scripts/gloo_heap_pairs.sh [PAIRS=8] [SECONDS_TOTAL=320]     (logs in $OUT or out/)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 """`funcshard check MODULE:FACTORY --batch MODULE:FACTORY`: the sharding laws on your model.
 
-The command form of `fs.testing.check` (docs/check.md): it imports the factories, checks
+The command form of `fs.testing.check` (docs/guides/checking.md): it imports the factories, checks
 the laws over the world sizes asked for on local gloo ranks, prints each configuration as it
 finishes and then the report's table, and exits 0 when every law held, 1 when one failed,
 2 on bad arguments. `--quick` checks world sizes up to 2, three configurations of two steps.

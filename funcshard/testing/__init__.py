@@ -1,5 +1,5 @@
 """Tools for testing sharded training code: a multi-rank runner, hypothesis strategies, models,
-and `check`, which checks the sharding laws on a user's own model (docs/check.md).
+and `check`, which checks the sharding laws on a user's own model (docs/guides/checking.md).
 
 Every submodule is an attribute after `import funcshard as fs`: `fs.testing.compare`,
 `.dynamo`, `.memory` and `.models` are imported with the package (they need only torch);

@@ -4,7 +4,7 @@
 in many configurations (FSDP, HSDP and DDP meshes of the world sizes given, plans,
 `reshard_after_forward`, mixed precision, seeds) and checks, on each: the round trip of
 `shard` and `unshard`, parity with one plain process, determinism, checkpoints that load at
-another world size, collectives, purity and gathered memory. See docs/check.md.
+another world size, collectives, purity and gathered memory. See docs/guides/checking.md.
 
 Which configurations run, and how the smallest failure is found, is funcshard/testing/search.py
 (see [Note: hypothesis drives the configurations] there); each is checked by

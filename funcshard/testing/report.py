@@ -122,5 +122,5 @@ class LawViolation(AssertionError):
         names = ", ".join(dict.fromkeys(r.law for r in report.failures))
         super().__init__(
             f"fs.testing.check: law {names} fails on {first.config}.\n{report.table()}\n"
-            f"Replay it with {_replay(report)}; docs/check.md says what each law means."
+            f"Replay it with {_replay(report)}; docs/guides/checking.md says what each law means."
         )
