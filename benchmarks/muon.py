@@ -21,8 +21,9 @@ rest. The same labels, learning rates and batch on both.
   built the optimizer state (see `_peak_bytes`).
 - `--fake`: the same optimizer steps on torch's fake process group (rank 0 of N, one
   process, one thread): collectives cost nothing and no rank shares a core, so what remains
-  is one rank's own CPU work. The fake group's collectives return uninitialized buffers, so
-  the numbers the math runs on are garbage; only the time means anything.
+  is one rank's own CPU work, timed as the thread's CPU time over 3x the rounds. The fake
+  group's collectives return uninitialized buffers, so the numbers the math runs on are
+  garbage; only the time means anything.
 - `--state-bytes`: optimizer-state bytes per rank of the partition on an N-rank FSDP GPT,
   beside one process's torch.optim.Muon + AdamW state divided by N. Where `fs.optim.muon`
   does not exist (older funcshard), `sgd(lr, momentum=0.95)` stands in for it: the same state
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import multiprocessing as mp
 import random
@@ -55,6 +57,7 @@ CFG = GPTConfig(vocab_size=8192, block_size=64, n_layer=4, n_head=6, d_model=384
 QUICK_CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32)
 MUON_LR, ADAMW_LR = 0.02, 3e-3
 CONTENDERS = (FUNCSHARD, FSDP2)
+FAKE_ROUNDS = 3  # times the rounds on gloo: a fake round is cheap, and its median steadier
 
 
 def label(fqn: str, p: torch.Tensor) -> str:
@@ -189,9 +192,10 @@ def _peak_bytes(build, steps: int) -> int:
 
 
 def _timed(
-    contenders: dict[str, Contender], warmup: int, rounds: int, barrier
+    contenders: dict[str, Contender], warmup: int, rounds: int, barrier, clock=time.perf_counter
 ) -> dict[str, dict[str, list[float]]]:
-    """Optimizer-step and whole-step times of each contender, rounds in a seeded rotation."""
+    """Optimizer-step and whole-step times of each contender, rounds in a seeded rotation,
+    read on `clock` (wall time by default)."""
     for c in contenders.values():
         for _ in range(warmup):
             c.grad()
@@ -203,12 +207,12 @@ def _timed(
         order.shuffle(names)
         for n in names:
             barrier()
-            start = time.perf_counter()
+            start = clock()
             contenders[n].grad()
             barrier()
-            middle = time.perf_counter()
+            middle = clock()
             contenders[n].step()
-            end = time.perf_counter()
+            end = clock()
             times[n]["step"].append(end - middle)
             times[n]["train"].append(end - start)
     return times
@@ -282,7 +286,10 @@ def table(results: list[MuonResult], fmt: str = "simple") -> str:
 
 
 def _fake(spec: MuonSpec, world_size: int) -> dict[str, float]:
-    """Median optimizer-step seconds of rank 0 on a fake group of `world_size`."""
+    """Median optimizer-step seconds of rank 0 on a fake group of `world_size`, in the
+    thread's CPU time: the step runs on this one thread (one intra-op thread, collectives
+    that do nothing), so its CPU time is its wall time on an idle core, and a machine
+    shared with other jobs preempting it does not count against either contender."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.set_num_threads(1)
@@ -292,7 +299,9 @@ def _fake(spec: MuonSpec, world_size: int) -> dict[str, float]:
         model = GPT(spec.cfg)
         x, y = random_tokens(spec.cfg, spec.batch, seed=0)
         contenders = {n: b() for n, b in _builders(spec, world_size, x, y, model).items()}
-        times = _timed(contenders, spec.warmup, spec.rounds, lambda: None)
+        times = _timed(
+            contenders, spec.warmup, spec.rounds * FAKE_ROUNDS, lambda: None, time.thread_time
+        )
         return {n: statistics.median(t["step"]) for n, t in times.items()}
     finally:
         dist.destroy_process_group()
@@ -401,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(results, "github"))
     if args.fake:
         fake = {w: measure_fake(spec, w) for w in args.world_sizes}
-        print(spec.describe(f"fake group of {sizes} (rank 0, one thread)"))
+        fake_spec = dataclasses.replace(spec, rounds=spec.rounds * FAKE_ROUNDS)
+        print(fake_spec.describe(f"fake group of {sizes} (rank 0, one thread, its CPU time)"))
         print(fake_table(fake, "github"))
 
 

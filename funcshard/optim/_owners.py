@@ -205,12 +205,16 @@ def from_owners(
         if (leaf := like[whole.leaf]) is not None:
             out[whole.leaf] = updates[whole.fqn].to(leaf.dtype)
     for dtype, chosen in _by_dtype(plan.members, lambda m: like[m.leaf].dtype):
-        mine = [m for m in chosen if m.owner == plan.rank]
+        me = plan.rank
+        mine = [m for m in chosen if m.owner == me]
+        # this rank's own pieces of what it owns are written below, not exchanged
         sends = [
             [updates[m.fqn].reshape(-1)[slice(*plan.piece(m, r))].to(dtype) for m in mine]
+            if r != me
+            else []
             for r in range(plan.size)
         ]
-        receives = [_held(plan, chosen, r) for r in range(plan.size)]
+        receives = [_held(plan, chosen, r) if r != me else 0 for r in range(plan.size)]
         total = sum(m.numel for m in chosen) * (plan.size // plan.shard)  # to every replica
         received = _exchange(sends, receives, dtype, group, total, "<whole-parameter updates>")
         del sends
@@ -224,8 +228,10 @@ def from_owners(
             for m in chosen:
                 if m.owner != owner:
                     continue
-                lo, hi = plan.piece(m, plan.rank)
-                if hi > lo:
+                lo, hi = plan.piece(m, me)
+                if hi > lo and owner == me:
+                    out[m.leaf][m.local : m.local + hi - lo] = updates[m.fqn].reshape(-1)[lo:hi]
+                elif hi > lo:
                     out[m.leaf][m.local : m.local + hi - lo] = buffer[at : at + hi - lo]
                     at += hi - lo
     for i, g in enumerate(like):
@@ -255,19 +261,20 @@ def _held(plan: Plan, chosen: Sequence[Member], owner: int) -> int:
 
 def _exchange_out(plan: Plan, chosen, kinds, dtype, group) -> dict:
     """Send each (kind, member) piece this rank holds to the member's owner; return, per
-    (kind, member) this rank owns, its pieces in rank order."""
+    (kind, member) this rank owns, its pieces in rank order. The pieces this rank holds of
+    what it owns are not exchanged: they are views of its own leaves."""
     me = plan.rank
     sends = []
     for r in range(plan.size):
         parts = []
         for k, m in chosen:
             lo, hi = plan.piece(m, me)
-            if m.owner == r and hi > lo and plan.sends_to_owner(me, r):
+            if m.owner == r != me and hi > lo and plan.sends_to_owner(me, r):
                 parts.append(kinds[k][m.leaf][m.read : m.read + hi - lo])
         sends.append(parts)
     receives = [
         sum(hi - lo for k, m in chosen if m.owner == me for lo, hi in [plan.piece(m, r)])
-        if plan.sends_to_owner(r, me)
+        if plan.sends_to_owner(r, me) and r != me
         else 0
         for r in range(plan.size)
     ]
@@ -280,7 +287,9 @@ def _exchange_out(plan: Plan, chosen, kinds, dtype, group) -> dict:
             if m.owner != me or not plan.sends_to_owner(r, me):
                 continue
             lo, hi = plan.piece(m, r)
-            if hi > lo:
+            if hi > lo and r == me:
+                pieces.setdefault((k, m), []).append(kinds[k][m.leaf][m.read : m.read + hi - lo])
+            elif hi > lo:
                 pieces.setdefault((k, m), []).append(buffer[at : at + hi - lo])
                 at += hi - lo
     return pieces
