@@ -52,6 +52,20 @@ from funcshard.io._integrity import CheckpointCorrupted as CheckpointCorrupted
 from funcshard.io._integrity import Report as Report
 from funcshard.io._optim_leaves import optim_leaves, rebuild
 
+# funcshard.checkpoint's public names (this module is funcshard.checkpoint, see
+# funcshard/__init__.py); the others are its machinery, importable but not promised.
+__all__ = [
+    "CheckpointConflict",
+    "CheckpointCorrupted",
+    "CheckpointRetired",
+    "Report",
+    "load",
+    "load_hf",
+    "save",
+    "save_hf",
+    "verify",
+]
+
 _optim_leaves = optim_leaves  # the name tests/io/test_optim_state_checkpoint.py reads
 LATEST = checkpoint_dir.LATEST
 

@@ -32,7 +32,7 @@ a shard]); `masked` and `partition` are masks and parameter groups as in optax.
 """
 
 from funcshard.core._groups import GroupView as GroupView
-from funcshard.core._groups import Part as Part
+from funcshard.core._groups import Part as Part  # a GroupView's record, not in __all__
 from funcshard.optim._base import EmptyState as EmptyState
 from funcshard.optim._base import Optimizer as Optimizer
 from funcshard.optim._clipping import clip_by_global_norm as clip_by_global_norm
@@ -75,7 +75,6 @@ __all__ = [
     "MixedParameterReductionWarning",
     "Optimizer",
     "Owned",
-    "Part",
     "PartitionState",
     "Piece",
     "Segments",

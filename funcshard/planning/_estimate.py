@@ -188,14 +188,19 @@ def estimate(
         mesh: a `Mesh`, a world size (sharded over every rank), or `(replicate, shard)`.
             `estimate(plan, replicate, shard, param_dtype)` is the older spelling.
         mp: the `MixedPrecision` the state is sharded with.
-        model, loss_fn, args, kwargs: the step, to count activations: `loss_fn(params,
-            *args, **kwargs)` is the function given to `funcshard.value_and_grad` (it calls
-            `funcshard.call(model, params, ...)`, which takes the dict of meta parameters
-            the dry run passes as it takes a state). Without them, activations are not
-            counted. `model` alone tells which units stay gathered for the whole call.
+        model: with `loss_fn`, `args` and `kwargs`, the step, to count activations:
+            `loss_fn(params, *args, **kwargs)` is the function given to
+            `funcshard.value_and_grad` (it calls `funcshard.call(model, params, ...)`, which
+            takes the dict of meta parameters the dry run passes as it takes a state).
+            Without them, activations are not counted. `model` alone tells which units stay
+            gathered for the whole call.
+        loss_fn: the step's loss function (see `model`).
+        args: its positional arguments after `params` (see `model`).
+        kwargs: its keyword arguments (see `model`).
         optimizer: a `funcshard.optim` optimizer (default AdamW); `donate=True` if the step
             uses `optimizer.step` (in place) rather than `update` and `apply_updates`.
-        reshard_after_forward, prefetch: as given to `funcshard.shard` / `value_and_grad`.
+        reshard_after_forward: as given to `funcshard.shard`.
+        prefetch: as given to `funcshard.value_and_grad`.
         loop: the step runs in a loop like README's (`loss, grads = ...` and `updates,
             opt_state = opt.update(...)` rebind their variables only when the next step
             returns), so without `donate` the previous step's gradients and updates are
