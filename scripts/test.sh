@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The one test command: installs what is missing into .venv, then runs ruff, the import
-# contracts, the type checker and the suite.
+# contracts, the type checker, the docs site's strict build and the suite.
 #   bash scripts/test.sh [extra pytest args]
 set -euo pipefail
-EXTRAS=test source "$(dirname "$0")/env.sh"
+EXTRAS=test,docs source "$(dirname "$0")/env.sh"
 "$py" -m ruff check .
 .venv/bin/lint-imports  # the wings' layers (pyproject.toml [tool.importlinter])
 "$py" -m mypy  # types, at mypy's standard strictness (pyproject.toml [tool.mypy])
+# The docs site (mkdocs.yml) into site/: a broken link, a page missing from the nav or an API
+# name that no longer resolves is a warning, and --strict makes it fail.
+echo "mkdocs build --strict"
+NO_MKDOCS_2_WARNING=1 "$py" -m mkdocs build --strict --site-dir site
 "$py" -m pytest "$@"

@@ -19,6 +19,8 @@ from funcshard.optim._params import _grad_leaves, _like
 from funcshard.optim._segments import Where, segments
 
 Labels = Callable[[str, Tensor], str] | Mapping[str, str]
+"""Each parameter's group for `partition`: a function `(fqn, param) -> label` (`param` a meta
+tensor of the full shape) or a dict FQN -> label."""
 
 
 @dataclass(frozen=True, eq=False)

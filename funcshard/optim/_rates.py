@@ -11,6 +11,8 @@ from typing import Any
 from torch import Tensor
 
 LearningRate = float | Callable[[int], float]
+"""A learning rate: a number, or a schedule `lr(step) -> float` called once per update with
+the number of updates done before it (0, 1, 2, ...)."""
 
 
 def _lr_at(lr: LearningRate, done: Tensor) -> float:

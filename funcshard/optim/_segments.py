@@ -37,6 +37,8 @@ from funcshard.core._state import ShardedGrads, ShardedState
 from funcshard.core._tree import format_names
 
 Where = Callable[[str, Tensor], bool] | Mapping[str, bool]
+"""Where a mask holds (`masked`, `weight_decay_mask=`): a predicate `(fqn, param) -> bool` or
+a dict FQN -> bool."""
 
 
 @dataclass(frozen=True)
