@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import funcshard as fs
@@ -267,37 +268,55 @@ def test_two_jobs_saving_into_one_directory_never_overwrite_or_mix(tmp_path, two
     assert _text(os.path.join(path, checkpoint.LATEST)) in {os.path.basename(d) for d in names}
 
 
-def _writer(path: str, steps: range, rank: int) -> None:
+def _writer(path: str, steps: range, rank: int, done: str | None = None) -> None:
+    """Save `steps` into `path` keeping 1 (each save retires the one before); then, on rank
+    0, create the file `done`."""
     state = _state(fs.Mesh(shard=2))
     for step in steps:
         values = state.replace(shards=tuple(s + step for s in state.shards))
         checkpoint.save(path, values, step=step, keep=1)
+    if done is not None and rank == 0:
+        open(done, "w").close()
 
 
-def _reader(path: str, seconds: float, rank: int) -> dict:
+def _reader(path: str, done: str, seconds: float, rank: int) -> dict:
+    """Load `path` again and again until the writer is `done` (one load more after it), or
+    `seconds` at most. Every rank stops on the same loop: rank 0 decides and broadcasts it
+    (each rank timing itself once let one rank stop while the other waited in the next
+    load's collective, until the call timed out)."""
     state = _state(fs.Mesh(shard=2))
-    loads, wrong, errors = 0, 0, []
+    loads, wrong, errors, while_writing = 0, 0, [], 0
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while True:
+        writing = not os.path.exists(done)
         try:
             loaded, _, step, _ = checkpoint.load(path, like=(state, None))
         except checkpoint.CheckpointRetired as e:  # allowed: a funcshard error naming it
             errors.append(str(e))
-            continue
-        loads += 1
-        want = [s + step for s in state.shards]
-        wrong += not all(torch.equal(a, b) for a, b in zip(loaded.shards, want, strict=True))
-    return {"loads": loads, "wrong": wrong, "errors": errors}
+        else:
+            loads += 1
+            while_writing += writing
+            want = [s + step for s in state.shards]
+            wrong += not all(torch.equal(a, b) for a, b in zip(loaded.shards, want, strict=True))
+        stop = torch.tensor(float(not writing or time.monotonic() > deadline))
+        dist.broadcast(stop, src=0)
+        if stop.item():
+            return {"loads": loads, "wrong": wrong, "errors": errors, "writing": while_writing}
 
 
 def test_a_reader_beside_a_retiring_writer_never_hangs_nor_loads_wrong_state(tmp_path, two_jobs):
     """Before: a retrying reader hung with its ranks in different collectives; one without
-    retry got a raw FileNotFoundError."""
+    retry got a raw FileNotFoundError.
+
+    The readers stop once the writer is done (they read for 15 s before, most of it a
+    checkpoint no one retired any more); that they loaded while it was writing is asserted."""
     path = str(tmp_path / "live")
     two_jobs[0].run(functools.partial(_writer, path, range(1)), 60)
-    write = functools.partial(_writer, path, range(1, 40))
-    _, readers = _side_by_side(two_jobs, write, functools.partial(_reader, path, 15.0))
+    done = str(tmp_path / "done")
+    write = functools.partial(_writer, path, range(1, 40), done=done)
+    _, readers = _side_by_side(two_jobs, write, functools.partial(_reader, path, done, 15.0))
     assert all(r["loads"] > 0 and r["wrong"] == 0 for r in readers), readers
+    assert all(r["writing"] > 0 for r in readers), readers
     assert all("retired" in e for r in readers for e in r["errors"])
 
 
