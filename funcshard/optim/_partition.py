@@ -16,7 +16,7 @@ from funcshard.core._state import ShardedState, donatable
 from funcshard.core._tree import format_names, register_record
 from funcshard.optim._base import Optimizer
 from funcshard.optim._params import _grad_leaves, _like
-from funcshard.optim._segments import Where, segments
+from funcshard.optim._segments import segments
 
 Labels = Callable[[str, Tensor], str] | Mapping[str, str]
 """Each parameter's group for `partition`: a function `(fqn, param) -> label` (`param` a meta
@@ -94,13 +94,6 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Labels) -> Optimizer:
         return _like(grads, out, donate), new_state
 
     return Optimizer(init, update)
-
-
-def _group_mask(labels: Labels, name: str) -> Where:
-    """The mask of one group: where a parameter's label is `name`."""
-    if isinstance(labels, Mapping):
-        return {f: label == name for f, label in labels.items()}
-    return lambda fqn, p: labels(fqn, p) == name
 
 
 def _check_labels(seg: Any, labels: Labels, names: list[str]) -> None:

@@ -200,8 +200,16 @@ def _carried_value_and_grad(f, has_aux, state, all_reduce, prefetch, comm, carry
 
 
 def _sharded_value_and_grad(
-    f, has_aux, state, reduction, prefetch, args, kwargs, comm=None, keep_flat=False
-):
+    f: Callable[..., Any],
+    has_aux: bool,
+    state: ShardedState,
+    reduction: str,
+    prefetch: Prefetch | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    comm: Comm | None = None,
+    keep_flat: bool = False,
+) -> tuple[Any, Any]:
     layout = state.layout
     mesh = layout.mesh
     shards = tuple(
@@ -310,7 +318,13 @@ def _or_zeros(grad: Tensor | None, target: Tensor, flat: Any, mp: Any) -> Tensor
     return torch.zeros(target.shape, dtype=reduce_dtype(mp, flat), device=target.device)
 
 
-def _dict_value_and_grad(f, has_aux, params, args, kwargs):
+def _dict_value_and_grad(
+    f: Callable[..., Any],
+    has_aux: bool,
+    params: Mapping[str, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, dict[str, Tensor | None]]:
     trainable = _differentiated_leaves(params)
     differentiated = set(trainable)
     inputs = {
