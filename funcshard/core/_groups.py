@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from funcshard.core._donation import donatable
 from funcshard.core._layout import Layout, shard_pieces
 from funcshard.core._state import ensure_live
 from funcshard.core._tree import register_record
@@ -77,8 +78,16 @@ class GroupView:
     def leaves(self) -> list[Tensor | None]:
         return list(self.values)
 
+    def unpacked(self) -> list[Tensor | None]:
+        """Each leaf's source leaf, or the leaf itself when made from values: for what
+        packing does not change (dtype, device, requires_grad), without packing."""
+        if self._values is not None or self.source is None:
+            return list(self.values)
+        return [self.source[p.source] for p in self.parts]
+
 
 register_record(GroupView, data_fields=("values",), meta_fields=("layout", "parts"))
+donatable(GroupView, ("_values", "source"))  # a group's optimizer, donated, may reuse them
 
 
 def group_of(container: Any, members: frozenset[str]) -> Any:

@@ -104,7 +104,8 @@ def _recording_only_through_grads(update: Callable[..., Any]) -> Callable[..., A
         grads = args[0] if args else kwargs.get("grads")
         if not isinstance(grads, ShardedGrads | GroupView | Mapping):
             return update(*args, **kwargs)  # not ours to judge: recorded as written
-        if any(isinstance(g, Tensor) and g.requires_grad for g in _grad_leaves(grads)):
+        unpacked = grads.unpacked() if isinstance(grads, GroupView) else _grad_leaves(grads)
+        if any(isinstance(g, Tensor) and g.requires_grad for g in unpacked):
             return update(*args, **kwargs)
         with torch.no_grad():
             return update(*args, **kwargs)

@@ -86,14 +86,20 @@ def muon_transform(
         buffers = tuple(torch.zeros_like(p) for p in params.values())
         return MuonState(step=torch.zeros(()), momentum_buffer=buffers)
 
-    def update(grads: dict, state: MuonState, params: dict) -> tuple[dict, MuonState]:
+    def update(
+        grads: dict, state: MuonState, params: dict, donate: bool = False
+    ) -> tuple[dict, MuonState]:
         rate = _lr_at(lr, state.step)
         updates, buffers = {}, []
         for (fqn, g), buf, p in zip(
             grads.items(), state.momentum_buffer, params.values(), strict=True
         ):
-            buf = buf.lerp(g, 1 - momentum)
-            direction = g.lerp(buf, momentum) if nesterov else buf
+            # donated: the momentum and the gradient are ours to overwrite (see [Note: donation])
+            buf = buf.lerp_(g, 1 - momentum) if donate else buf.lerp(g, 1 - momentum)
+            if nesterov:
+                direction = g.lerp_(buf, momentum) if donate else g.lerp(buf, momentum)
+            else:
+                direction = buf
             ortho = orthogonalized(direction, ns_coefficients, ns_steps, eps)
             scale = _adjusted(rate, adjust_lr_fn, p.shape)
             updates[fqn] = _move(p, ortho, rate * weight_decay, scale)

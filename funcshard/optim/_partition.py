@@ -87,7 +87,7 @@ def partition(optimizers: Mapping[str, Optimizer], labels: Labels) -> Optimizer:
         for name in names:
             mine = group_of(grads, found[name])
             updates, new_states[name] = optimizers[name].update(
-                mine, state.states[name], group_of(params, found[name])
+                mine, state.states[name], group_of(params, found[name]), donate=donate
             )
             scatter(mine, updates, out, keys)
         new_state = PartitionState(states=new_states, groups=state.groups)

@@ -41,6 +41,8 @@ def whole_params(transform: Optimizer, chunk_numel: int = 1 << 22) -> Optimizer:
     its group's parameters only. Communicates per update: an uneven all-to-all of gradient
     and parameter pieces to the owners and one of the updates back to every replica, per
     dtype and chunk, over the mesh; `init` sends the parameters to their owners once.
+    Called with `donate=True` (`opt.step`), it passes that on: the transform may overwrite
+    the whole gradients it is given and its own state, as `muon` does its momentum.
 
     `chunk_numel`: the parameters are exchanged and computed in consecutive chunks of about
     this many elements (the whole group's; a larger parameter alone), so a rank holds one
@@ -76,7 +78,7 @@ def whole_params(transform: Optimizer, chunk_numel: int = 1 << 22) -> Optimizer:
             updates = {}
             for fqn in chunk.owned_fqns:
                 delta, new_states[fqn] = transform.update(
-                    {fqn: grads_of[fqn]}, state.states[fqn], {fqn: values[fqn]}
+                    {fqn: grads_of[fqn]}, state.states[fqn], {fqn: values[fqn]}, donate=donate
                 )
                 updates[fqn] = _only(delta, fqn, grads_of[fqn])
             del grads_of, values  # before the updates' exchange: not held beside its buffers

@@ -17,7 +17,11 @@ it (forward, backward, or the optimizer's update). Besides the shards, gradient 
 optimizer state, it counts what the step makes on the way:
 - gathered units: the root (and any unit whose parameters are used outside its module) for
   the whole call, each other unit while its module runs and the next one prefetched; in
-  backward each is gathered again, with the one that ran before it;
+  backward each is gathered again, with the one that ran before it. Resharding, the root
+  lives on in backward only as long as what autograd saved of it (see [Note: whole-call
+  units in backward] in funcshard/step/_regather.py): the dry run follows that; the walk
+  by arithmetic takes a language model's case, the output head (read first) its last
+  reader, and drops it once backward reaches the last unit;
 - each unit's full gradient: autograd's per-parameter gradients, their concatenation into
   one flat buffer (and its cast to the reduce dtype) and the reduce's shard-size output,
   while the previous unit's reduce is in flight. The root's gradient lives from the output
@@ -371,13 +375,14 @@ def _walk(
     done = flight = 0
     backward = held + w + kept + pending
     order = [*reversed(sharded), *(u for u in units if u.name in whole)]
+    root = 0 if reshard else w  # read last by the output head: see the Note
     for i, u in enumerate(order):
         earlier = order[i + 1] if i + 1 < len(order) and order[i + 1].name not in whole else None
         pre = gathered[earlier.name] if reshard and prefetch and earlier is not None else 0
         mine = u.name not in whole
         own = gathered[u.name] if reshard and mine else 0
         grads = u.full_grad if mine else 0  # a whole-call unit's are in `pending`
-        base = held + w + kept + pending + done + pre + grads
+        base = held + root + kept + pending + done + pre + grads
         cat = u.full_grad + u.reduced_copy
         out = u.chunk if shard > 1 else 0
         backward = max(backward, base + flight + own, base + cat + max(flight, out))

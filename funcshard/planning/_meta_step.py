@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,20 +28,8 @@ from funcshard.core._precision import (
     gather_dtype,
     reduce_dtype,
 )
-
-
-class _Handle:
-    """What autograd keeps instead of a view into a resharded unit's buffer."""
-
-    __slots__ = ("call", "flat", "offset", "size", "stride", "unit")
-
-    def __init__(self, call: _Call, unit: int, flat: int, tensor: Tensor) -> None:
-        self.call, self.unit, self.flat = call, unit, flat
-        self.size, self.stride, self.offset = (
-            tensor.size(),
-            tensor.stride(),
-            tensor.storage_offset(),
-        )
+from funcshard.planning._meta_saved import Handle
+from funcshard.step._regather import SavedView, still_held
 
 
 class _Call:
@@ -58,6 +47,8 @@ class _Call:
         self.finished: set[int] = set()
         self.unfinished: dict[int, int] = {}
         self.latest: tuple[int, tuple[Tensor, ...]] | None = None  # returned last
+        self.aliases: dict[int, Tensor] = {}  # flat index -> a whole-call buffer's alias
+        self.whole: dict[int, list[weakref.ref[Tensor]]] = {}  # unit -> its aliases, weakly
         self.started: set[int] = set()  # units backward has asked for
 
 
@@ -189,9 +180,13 @@ class MetaStep:
             call.regathered[unit] = fulls
         for unit in list(call.full):
             self._swap_out(unit)  # the call puts the model's own tensors back
-            keep = self._trainable(unit) and (not self.reshard or unit in self.binding.whole_call)
-            if not keep:
+            if not (self._trainable(unit) and not self.reshard):
                 call.full.pop(unit)
+        for unit in self.binding.whole_call:  # from now on held by saved views alone
+            flats = self.binding.unit_flats[unit]
+            if all(i in call.aliases for i in flats):
+                call.whole[unit] = [weakref.ref(call.aliases[i]) for i in flats]
+        call.aliases = {}
         call.params.clear()  # views whose nodes hold the call: a cycle through autograd
         return cast_outputs(self.mp, output)
 
@@ -219,6 +214,8 @@ class MetaStep:
                 if self.reshard:
                     self.owner[id(full)] = (call, unit, i)
                     call.unfinished[unit] = call.unfinished.get(unit, 0) + 1
+                    if unit in self.binding.whole_call:
+                        call.aliases[i] = full.detach()
             else:
                 params.extend(param_views(full, flat))
         call.full[unit] = fulls
@@ -285,14 +282,17 @@ class MetaStep:
         if owner is None:
             return tensor
         call, unit, i = owner
-        if unit in self.binding.whole_call or tensor.dtype != gather_dtype(
-            self.mp, self.layout.flats[i]
-        ):
+        if tensor.dtype != gather_dtype(self.mp, self.layout.flats[i]):
             return tensor
-        return _Handle(call, unit, i, tensor)
+        if unit in self.binding.whole_call:
+            alias = call.aliases.get(i)
+            return tensor if alias is None else SavedView(alias, tensor)
+        return Handle(call, unit, i, tensor)
 
     def unpack(self, packed: Any) -> Tensor:
-        if not isinstance(packed, _Handle):
+        if isinstance(packed, SavedView):
+            return packed.alias.as_strided(packed.size, packed.stride, packed.offset)
+        if not isinstance(packed, Handle):
             return packed
         call, unit = packed.call, packed.unit
         flat = self._regathered(call, unit)[self.binding.unit_flats[unit].index(packed.flat)]
@@ -366,7 +366,8 @@ class MetaStep:
                 f"funcshard.estimate: unit {self.binding.unit_names[unit]!r} is recomputed in "
                 f"backward but did not run in forward. Checkpoint modules the step ran."
             )
-        fulls = call.full.get(unit) or self._regathered(call, unit)
+        held = still_held(call.whole.get(unit, ()))
+        fulls = call.full.get(unit) or held or self._regathered(call, unit)
         return tuple(
             view.detach().requires_grad_(self.shards[i].requires_grad)
             for i, full in zip(self.binding.unit_flats[unit], fulls, strict=True)

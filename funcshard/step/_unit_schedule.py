@@ -245,12 +245,11 @@ class Run(UnitGathers):
         return regather() if isinstance(regather, weakref.ref) else regather
 
     def after_call(self) -> None:
-        """Keep only what backward needs: the whole-call units when resharding, every
-        gathered unit when not (autograd holds their views anyway), nothing without grad."""
-        keep = [
-            self.differentiates(u) and (not self.reshard or u in self.binding.whole_call)
-            for u in range(len(self.full))
-        ]
+        """Keep only what backward needs: every gathered unit when not resharding (autograd
+        holds their views anyway), nothing when resharding or without grad. A whole-call
+        unit is then held by what autograd saved of it alone, and freed with the last of it
+        (see [Note: whole-call units in backward])."""
+        keep = [self.differentiates(u) and not self.reshard for u in range(len(self.full))]
         self.full = [f if k else None for f, k in zip(self.full, keep, strict=True)]
         self.params = [p if k else None for p, k in zip(self.params, keep, strict=True)]
         if isinstance(self._regather, Regather):

@@ -82,9 +82,12 @@ class LiveTensors(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._track(t, watched)
         self.peak = max(self.peak, self.live)
-        holding = sum(1 for key in self._watched if self._bytes[key] > 0)  # not resized to 0
-        self.peak_watched = max(self.peak_watched, holding)
+        self.peak_watched = max(self.peak_watched, self.watched_live())
         return out
+
+    def watched_live(self) -> int:
+        """How many watched storages are live now (and not resized to nothing)."""
+        return sum(1 for key in self._watched if self._bytes[key] > 0)
 
     def adopt(self, tree: Any) -> None:
         """Count tensors made before the mode started (parameters, optimizer state) as live,

@@ -265,3 +265,78 @@ def _nested_partition(rank: int) -> str:
 def test_a_partition_inside_a_partition_group_is_refused_naming_the_fix():
     for error in testing.run(_nested_partition, world_size=2):
         assert "one label per inner group" in error
+
+
+def _tensor_storages(tree) -> set[int]:
+    """The storages of a tree's tensors of more than one element (not the step counts)."""
+    leaves = optree.tree_leaves(tree)
+    return {t.untyped_storage().data_ptr() for t in leaves if t.numel() > 1}
+
+
+def _donated_and_kept(rank: int) -> dict:
+    """Two steps of muon + adamw in a partition on FSDP-2, donated (`opt.step`) and not
+    (`update`, `apply_updates`): the final parameters, and whether each donated step left
+    the optimizer state in the memory it was given."""
+    torch.manual_seed(0)
+    model = GPT(_config())
+    start = _params("fsdp", model)
+    opt = _muon_adamw()
+    out: dict = {"in place": []}
+    for donate in (False, True):
+        params, opt_state = start, opt.init(start)
+        for step in range(2):
+            x, y = random_tokens(_config(), 4, seed=step)
+            mine = x.chunk(2)[rank], y.chunk(2)[rank]
+            _, grads = fs.value_and_grad(functools.partial(_loss, model))(params, *mine)
+            if donate:
+                before = _tensor_storages(opt_state)
+                params, opt_state = opt.step(grads, opt_state, params)
+                out["in place"].append(before == _tensor_storages(opt_state))
+            else:
+                updates, opt_state = opt.update(grads, opt_state, params)
+                params = fs.apply_updates(params, updates)
+        out[donate] = dict(fs.unshard(params))
+    return out
+
+
+def test_a_donated_partition_steps_its_groups_in_place_to_the_same_bits():
+    """Broke: `partition` did not pass donation on, so `opt.step` built each group's new
+    moments (and Muon its new momentum buffers) beside the old ones: at 2 ranks the
+    optimizer step peaked 10% above FSDP2 + torch.optim's whole training step."""
+    for got in testing.run(_donated_and_kept, world_size=2):
+        assert got["in place"] == [True, True]
+        for fqn, kept in got[False].items():
+            assert torch.equal(got[True][fqn], kept), fqn
+
+
+def _muon_pieces_packed(rank: int) -> list[str]:
+    """The Muon group's parameters whose pieces were packed into a group leaf (a copy)
+    during one update of muon + adamw in a partition on FSDP-2."""
+    from funcshard.core import _groups as groups
+
+    torch.manual_seed(0)
+    model = GPT(_config())
+    params = _params("fsdp", model)
+    opt = _muon_adamw()
+    opt_state = opt.init(params)
+    x, y = random_tokens(_config(), 2, seed=rank)
+    _, grads = fs.value_and_grad(functools.partial(_loss, model))(params, x, y)
+    packed, pack = [], groups._packed
+
+    def counting(leaf, layout, rank, part):
+        packed.extend(f for f in part.fqns if _label(f, model.get_parameter(f)) == "muon")
+        return pack(leaf, layout, rank, part)
+
+    groups._packed = counting
+    try:
+        opt.update(grads, opt_state, params)
+    finally:
+        groups._packed = pack
+    return packed
+
+
+def test_whole_params_in_a_partition_reads_its_pieces_unpacked():
+    """Broke: the wrapper that runs an update without autograd recording asked every group
+    view for its leaves to see whether they require grad, which packed the Muon group's
+    gradients (a copy of the group's gradient shards) that whole_params reads unpacked."""
+    assert testing.run(_muon_pieces_packed, world_size=2) == [[], []]

@@ -86,6 +86,37 @@ def test_backward_drops_each_regathered_block_once_its_gather_node_runs():
     assert testing.run(_step_gathered, world_size=2) == [3, 3]
 
 
+class _GatheredAtEmbeddingBackward(LiveTensors):
+    """Counts the all-gathered buffers alive when the token embedding's backward runs."""
+
+    def __init__(self) -> None:
+        super().__init__(watch=is_all_gather)
+        self.at_embedding_backward: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.embedding_dense_backward.default:
+            self.at_embedding_backward.append(self.watched_live())
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _gathered_at_embedding_backward(rank: int) -> list[int]:
+    model, state, x, y = _sharded_gpt(rank)
+    step = fs.value_and_grad(
+        lambda s: F.cross_entropy(fs.call(model, s, x).flatten(0, 1), y.flatten())
+    )
+    with _GatheredAtEmbeddingBackward() as mode:
+        step(state)
+    return mode.at_embedding_backward
+
+
+def test_the_gathered_root_is_freed_once_backward_has_read_it_last():
+    """Broke: the run held the root (the tied embedding and head, the final norm) to the end
+    of backward, so the gathered embedding sat beside the embedding's and the head's
+    gradients and their sum at the step's peak. The head's backward is the root's last
+    reader; by the embedding's backward (token and position) nothing gathered is alive."""
+    assert testing.run(_gathered_at_embedding_backward, world_size=2) == [[0, 0], [0, 0]]
+
+
 def _frozen_step_gathered(how: str, rank: int) -> int:
     """All-gathered buffers alive at once over a step of the GPT with every block's attention
     frozen: inside each block's unit (frozen="split"), or as units of their own."""
