@@ -26,8 +26,9 @@ from funcshard.core._state import ShardedGrads, ShardedState
 from funcshard.core._tree import format_names
 from funcshard.optim import _owners as owners
 from funcshard.optim._base import Optimizer
-from funcshard.optim._leaves import leaves, with_leaves
+from funcshard.optim._leaves import leaves
 from funcshard.optim._owned import Owned
+from funcshard.optim._params import _like
 
 
 def whole_params(transform: Optimizer, chunk_numel: int = 1 << 22) -> Optimizer:
@@ -84,7 +85,8 @@ def whole_params(transform: Optimizer, chunk_numel: int = 1 << 22) -> Optimizer:
             del grads_of, values  # before the updates' exchange: not held beside its buffers
             back = owners.from_owners(chunk, updates, like, group, back)
         assert back is not None  # chunks() cuts a plan into at least one
-        return with_leaves(grads, back), Owned(new_states)
+        # donated: the transform may have written into the gradients (see [Note: donation])
+        return _like(grads, back, donate), Owned(new_states)
 
     return Optimizer(init, update)
 

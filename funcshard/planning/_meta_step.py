@@ -207,17 +207,19 @@ class MetaStep:
         self._issue(call, unit)
         fulls = call.full.get(unit) or call.pending.pop(unit)
         params: list[Tensor] = []
+        grad, whole = torch.is_grad_enabled(), unit in self.binding.whole_call
         for i, full in zip(self.binding.unit_flats[unit], fulls, strict=True):
             flat = self.layout.flats[i]
-            if self.shards[i].requires_grad and torch.is_grad_enabled():
-                params.extend(_DryGather.apply(self.shards[i], (self, call, unit, i, full)))
+            if self.shards[i].requires_grad and grad:
+                params.extend(_DryGather.apply(self.shards[i], (self, call, unit, i, full, True)))
                 if self.reshard:
                     self.owner[id(full)] = (call, unit, i)
                     call.unfinished[unit] = call.unfinished.get(unit, 0) + 1
-                    if unit in self.binding.whole_call:
-                        call.aliases[i] = full.detach()
             else:
                 params.extend(param_views(full, flat))
+            if self.reshard and grad and whole:  # frozen ones too, as `Regather.track`
+                self.owner[id(full)] = (call, unit, i)
+                call.aliases.setdefault(i, full.detach())
         call.full[unit] = fulls
         call.params[unit] = tuple(params)
         return call.params[unit]
@@ -248,7 +250,9 @@ class MetaStep:
         for i, full in zip(self.binding.unit_flats[unit], call.full[unit], strict=True):
             views = [next(old) for _ in self.layout.flats[i].fqns]
             if self.shards[i].requires_grad:
-                views = list(_DryGather.apply(self.shards[i], (self, call, unit, i, full)))
+                # (uncounted: the run's relinked gathers do not report their backward)
+                where = (self, call, unit, i, full, False)
+                views = list(_DryGather.apply(self.shards[i], where))
             params.extend(views)
         call.params[unit] = tuple(params)
         for slot, index, _ in self.binding.param_slots[unit]:
@@ -383,10 +387,13 @@ class MetaStep:
             return None
         return None if earlier in call.regathered else earlier
 
-    def reduce(self, call: _Call, unit: int, i: int, grads: tuple[Tensor | None, ...]) -> Tensor:
+    def reduce(
+        self, call: _Call, unit: int, i: int, grads: tuple[Tensor | None, ...], counted: bool
+    ) -> Tensor:
         """A gather node's backward: drop the regathered buffers (the unit's backward is
-        done), concatenate, cast, and reduce with one reduce in flight."""
-        if unit in call.unfinished:
+        done, if the node is `counted`), concatenate, cast, and reduce with one reduce in
+        flight."""
+        if counted and unit in call.unfinished:
             call.unfinished[unit] -= 1
             if call.unfinished[unit] == 0:
                 call.finished.add(unit)
@@ -409,15 +416,15 @@ class _DryGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, shard: Tensor, where: tuple) -> tuple[Tensor, ...]:
-        step, call, unit, i, full = where
-        ctx.where = (step, call, unit, i)  # not the buffer: the graph must not keep it
+        step, call, unit, i, full, counted = where
+        ctx.where = (step, call, unit, i, counted)  # not the buffer: the graph must not keep it
         ctx.set_materialize_grads(False)
         return param_views(full, step.layout.flats[i])
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None]:
-        step, call, unit, i = ctx.where
-        return step.reduce(call, unit, i, grads), None
+        step, call, unit, i, counted = ctx.where
+        return step.reduce(call, unit, i, grads, counted), None
 
 
 def _concat(

@@ -28,10 +28,13 @@ saved view backward consumes. Held to the end of backward instead (as FSDP2 hold
 until the root's post-backward), the gathered root sat beside the embedding's gradient,
 the head's and their sum at the step's peak: 12 of 88 MiB per rank of a 10M GPT on 4
 ranks. A module of the unit recomputed in backward (activation checkpointing) takes the
-aliases while any saved view still holds them (the run keeps weak references); after the
-last one it regathers the unit, once: the regathered buffers then stay until the unit's
-gather nodes run, as a resharded unit's do (checkpointing the final norm costs one
-all-gather of the root per step, where holding the root would cost its bytes throughout).
+aliases while saved views still hold every one (the run keeps weak references); after that
+it regathers the unit, once, and holds it to the end of backward, as before this change
+(its first gather node, whose backward would drop it, usually never runs: `Run.relink`
+took its outputs). So checkpointing the final norm costs one all-gather of the root per
+step, and the root's bytes from the head's backward on, as holding it did; a step's peak is
+usually earlier, at the start of backward, or at its end, where the root is no longer held
+unless recomputed.
 """
 
 from __future__ import annotations

@@ -340,3 +340,18 @@ def test_whole_params_in_a_partition_reads_its_pieces_unpacked():
     view for its leaves to see whether they require grad, which packed the Muon group's
     gradients (a copy of the group's gradient shards) that whole_params reads unpacked."""
     assert testing.run(_muon_pieces_packed, world_size=2) == [[], []]
+
+
+def test_gradients_a_whole_params_step_took_cannot_be_read_again():
+    """Donated, Muon's transform writes its look-ahead into the gradient it is given (for a
+    dict, the caller's tensor): reading the grads after `opt.step` must raise, not return
+    those numbers."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(8, 4, generator=g)}
+    grads = {"w": torch.randn(8, 4, generator=g)}
+    opt = fs.optim.muon(0.02)
+    before = params["w"].clone()
+    new_params, _ = opt.step(grads, opt.init(params), params)
+    assert not torch.equal(new_params["w"], before)
+    with pytest.raises(fs.DonatedError, match="donated"):
+        grads["w"] + 1
