@@ -228,12 +228,8 @@ class Mesh:
         if len(shape) == 1 or names != AXES:
             ranks = tuple(device_mesh.mesh.flatten().tolist())
             key = (dist.group.WORLD, device_mesh.device_type, ranks, replicate, shard)
-            if key not in _REWRAPPED:  # building groups is a collective: once per shape
-                _REWRAPPED[key] = DeviceMesh(
-                    device_mesh.device_type,
-                    device_mesh.mesh.reshape(replicate, shard),
-                    mesh_dim_names=AXES,
-                )
+            if key not in _REWRAPPED:
+                _REWRAPPED[key] = _rewrapped(device_mesh, replicate, shard)
             device_mesh = _REWRAPPED[key]
         return cls(
             replicate=replicate,
@@ -291,6 +287,13 @@ class Mesh:
         (`reshard_after_forward=k`); built once per k, on every rank together."""
         if self.shard_size % k:
             raise ValueError(f"Mesh: {k} does not divide the shard size {self.shard_size}.")
+        if self.size != dist.get_world_size():  # over part of the world: see `_rewrapped`
+            row = self.device_mesh.mesh[self.replicate_rank].tolist()
+            mine = tuple(row[self.shard_rank // k * k :][:k])
+            local = (dist.group.WORLD, self.device_type, mine)
+            if local not in _WHOLE_MESHES:
+                _WHOLE_MESHES[local] = dist.new_group(list(mine), use_local_synchronization=True)
+            return self._configured(_WHOLE_MESHES[local])
         key = (dist.group.WORLD, self.device_type, self.replicate, self.shard, k, self._options)
         if key not in _SUBMESHES:
             _SUBMESHES[key] = init_device_mesh(
@@ -306,7 +309,13 @@ class Mesh:
         if self.size == dist.get_world_size():
             assert dist.group.WORLD is not None  # the default group, which get_world_size needs
             return self._configured(dist.group.WORLD)
-        return self._configured(self.device_mesh._flatten().get_group())
+        if self.replicate == 1 or self.shard == 1:  # one axis: its group is the mesh's
+            return self.shard_group if self.replicate == 1 else self.replicate_group
+        # over part of the world: made by the mesh's ranks alone (see `_rewrapped`)
+        key = (dist.group.WORLD, self.device_type, self.ranks)
+        if key not in _WHOLE_MESHES:
+            _WHOLE_MESHES[key] = dist.new_group(list(self.ranks), use_local_synchronization=True)
+        return self._configured(_WHOLE_MESHES[key])
 
     @property
     def _options(self) -> tuple[timedelta, bool]:
@@ -431,6 +440,32 @@ _MESHES: dict[tuple[object, str, int, int, tuple], DeviceMesh] = {}
 _OWN_WORLDS: dict[tuple[object, tuple], ProcessGroup] = {}  # copies of the default group
 _SUBMESHES: dict[tuple[object, str | None, int, int, int, tuple], DeviceMesh] = {}
 _REWRAPPED: dict[tuple[object, ...], DeviceMesh] = {}
+_ALONE: dict[tuple[object, str, int], ProcessGroup] = {}  # a group of this rank alone
+_WHOLE_MESHES: dict[tuple[object, str | None, tuple[int, ...]], ProcessGroup] = {}  # groups
+# of a mesh over part of the world, by their ranks (made by those ranks alone)
+
+
+def _rewrapped(device_mesh: DeviceMesh, replicate: int, shard: int) -> DeviceMesh:
+    """`device_mesh` as a ("replicate", "shard") DeviceMesh over its own process groups (a
+    1-D one's other axis: a group of this rank alone, made by it alone). Building new groups
+    would be a collective of every rank of the world, and the parts of a mesh over part of
+    it, each wrapping its own, would build different ones: every rank hung, or groups of
+    one part met the other's."""
+    if device_mesh.ndim == 2:
+        groups = [device_mesh.get_group(0), device_mesh.get_group(1)]
+    else:
+        rank = dist.get_rank()
+        key = (dist.group.WORLD, device_mesh.device_type, rank)
+        if key not in _ALONE:
+            _ALONE[key] = dist.new_group([rank], use_local_synchronization=True)
+        own = device_mesh.get_group(0)
+        groups = [own, _ALONE[key]] if shard == 1 else [_ALONE[key], own]
+    return DeviceMesh.from_group(
+        groups,
+        device_mesh.device_type,
+        mesh=device_mesh.mesh.reshape(replicate, shard),
+        mesh_dim_names=AXES,
+    )
 
 
 def _cached_mesh(device_type: str, replicate: int, world: int, options: tuple) -> DeviceMesh:
@@ -478,6 +513,8 @@ def shutdown(timeout: timedelta | float = timedelta(seconds=30)) -> None:
     _MESHES.clear()
     _SUBMESHES.clear()
     _REWRAPPED.clear()
+    _ALONE.clear()
+    _WHOLE_MESHES.clear()
     _OWN_WORLDS.clear()
     collective_checks.forget_checked_groups()
     dist.destroy_process_group()

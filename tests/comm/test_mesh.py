@@ -230,3 +230,55 @@ def test_shutdown_raises_within_its_timeout_naming_the_rank_that_never_came():
     assert message.startswith("funcshard.shutdown: every rank of [0, 1] within 1 s, got rank 0 "
                               "not there (rank 1 waited)"), message  # fmt: skip
     assert "Give every rank the same way out of the loop" in message
+
+
+def _sub_mesh_step(kind: str, rank: int) -> dict:
+    """One Muon + AdamW step of a GPT on a mesh over part of the world, each part its own
+    (4 ranks: FSDP over {0, 1} and over {2, 3}, or HSDP 1x2 sliced out of a 3-D mesh), and
+    the same step in one process on the part's whole batch."""
+    from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
+
+    if kind.startswith("1-D slice"):
+        world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "fsdp"))
+        mesh = fs.Mesh.from_device_mesh(world["fsdp"])
+    else:  # a (replicate, shard) slice of a mesh with a third axis
+        world = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "replicate", "shard"))
+        mesh = fs.Mesh.from_device_mesh(world["replicate", "shard"])
+    part = rank // 2  # the two parts train on different data
+    cfg = GPTConfig(n_layer=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    label = lambda fqn, p: "muon" if p.ndim == 2 and "blocks" in fqn else "adamw"  # noqa: E731
+    # eps 1e-3: Adam's first step on a near-zero gradient divides rounding noise by itself
+    groups = {"muon": fs.optim.muon(0.02), "adamw": fs.optim.adamw(3e-3, eps=1e-3)}
+    opt = fs.optim.partition(groups, label)
+    x, y = random_tokens(cfg, 4, seed=part)
+    mine = x.chunk(2)[rank % 2], y.chunk(2)[rank % 2]
+
+    def loss(params, x, y):
+        logits = fs.call(model, params, x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    reshard = 1 if kind.endswith("resharded to 1") else True  # (a group of one rank per slice)
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block}))
+    state = fs.shard(model, plan, mesh, reshard_after_forward=reshard)
+    _, grads = fs.value_and_grad(loss)(state, *mine)
+    state, _ = opt.step(grads, opt.init(state), state)
+    alone = fs.extract(model)[0]
+    _, one_grads = fs.value_and_grad(loss)(alone, x, y)
+    alone, _ = opt.step(one_grads, opt.init(alone), alone)
+    return {"mesh ranks": list(mesh.ranks), "sharded": dict(fs.unshard(state)), "alone": alone}
+
+
+@pytest.mark.parametrize("kind", ["1-D slice", "1-D slice, resharded to 1", "2-D slice"])
+def test_a_mesh_over_part_of_the_world_trains_as_one_process(kind):
+    """Broke: wrapping a DeviceMesh over part of the world built new process groups, which
+    is a collective of every rank of the world; each part built its own, so ranks hung in
+    `Mesh.from_device_mesh` or met the other part's ranks in its groups (its whole-mesh
+    group and `reshard_after_forward=k`'s groups likewise)."""
+    out = testing.run(functools.partial(_sub_mesh_step, kind), world_size=4, timeout=120)
+    assert [o["mesh ranks"] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for o in out:  # within Muon's own bf16 noise, per parameter
+        for fqn, want in o["alone"].items():
+            error = ((o["sharded"][fqn] - want).norm() / want.norm()).item()
+            assert error < 1e-2, f"{fqn}: {error:.2e}"
