@@ -23,16 +23,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from funcshard.comm import _collective_checks as collective_checks
 from funcshard.comm import _collectives as collectives
 from funcshard.comm import _flight_recorder as flight_recorder
+from funcshard.comm import _mesh_groups as mesh_groups
 from funcshard.comm import _progress as progress
 from funcshard.comm import _waits as waits
 
-AXES = ("replicate", "shard")
+AXES = mesh_groups.AXES
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # NCCL's own default; gloo's is 30 minutes
 MAX_TIMEOUT = timedelta(days=365)  # beyond it gloo's milliseconds overflow
 _RESOLVED_AT_INIT = ("shard_rank", "replicate_rank", "shard_group", "replicate_group")
@@ -157,7 +158,11 @@ class Mesh:
         object.__setattr__(self, "device_type", device_type)
         object.__setattr__(self, "ranks", tuple(range(world)))
         object.__setattr__(
-            self, "_device_mesh", _cached_mesh(device_type, self.replicate, world, self._options)
+            self,
+            "_device_mesh",
+            mesh_groups.world_mesh(
+                device_type, (self.replicate, world // self.replicate), AXES, self._options
+            ),
         )
 
     @classmethod
@@ -225,12 +230,8 @@ class Mesh:
                 f"Mesh.from_device_mesh: expected a 1-D or 2-D DeviceMesh, got shape {shape}. "
                 f"Flatten the data-parallel dimensions into (replicate, shard) first."
             )
-        if len(shape) == 1 or names != AXES:
-            ranks = tuple(device_mesh.mesh.flatten().tolist())
-            key = (dist.group.WORLD, device_mesh.device_type, ranks, replicate, shard)
-            if key not in _REWRAPPED:
-                _REWRAPPED[key] = _rewrapped(device_mesh, replicate, shard)
-            device_mesh = _REWRAPPED[key]
+        if len(shape) == 1 or names != AXES:  # see [Note: a mesh over part of the world]
+            device_mesh = mesh_groups.rewrapped(device_mesh, replicate, shard)
         return cls(
             replicate=replicate,
             shard=shard,
@@ -287,21 +288,14 @@ class Mesh:
         (`reshard_after_forward=k`); built once per k, on every rank together."""
         if self.shard_size % k:
             raise ValueError(f"Mesh: {k} does not divide the shard size {self.shard_size}.")
-        if self.size != dist.get_world_size():  # over part of the world: see `_rewrapped`
+        if self.size != dist.get_world_size():  # see [Note: a mesh over part of the world]
             row = self.device_mesh.mesh[self.replicate_rank].tolist()
             mine = tuple(row[self.shard_rank // k * k :][:k])
-            local = (dist.group.WORLD, self.device_type, mine)
-            if local not in _WHOLE_MESHES:
-                _WHOLE_MESHES[local] = dist.new_group(list(mine), use_local_synchronization=True)
-            return self._configured(_WHOLE_MESHES[local])
-        key = (dist.group.WORLD, self.device_type, self.replicate, self.shard, k, self._options)
-        if key not in _SUBMESHES:
-            _SUBMESHES[key] = init_device_mesh(
-                self.device_type or "cpu",
-                (self.replicate, self.shard // k, k),
-                mesh_dim_names=("replicate", "shard_outer", "shard_inner"),
-            )
-        return self._configured(_SUBMESHES[key].get_group("shard_inner"))
+            return self._configured(mesh_groups.local_group(self.device_type, mine))
+        shape = (self.replicate, self.shard // k, k)
+        names = ("replicate", "shard_outer", "shard_inner")
+        inner = mesh_groups.world_mesh(self.device_type or "cpu", shape, names, self._options)
+        return self._configured(inner.get_group("shard_inner"))
 
     @functools.cached_property
     def group(self) -> ProcessGroup:
@@ -311,11 +305,8 @@ class Mesh:
             return self._configured(dist.group.WORLD)
         if self.replicate == 1 or self.shard == 1:  # one axis: its group is the mesh's
             return self.shard_group if self.replicate == 1 else self.replicate_group
-        # over part of the world: made by the mesh's ranks alone (see `_rewrapped`)
-        key = (dist.group.WORLD, self.device_type, self.ranks)
-        if key not in _WHOLE_MESHES:
-            _WHOLE_MESHES[key] = dist.new_group(list(self.ranks), use_local_synchronization=True)
-        return self._configured(_WHOLE_MESHES[key])
+        # see [Note: a mesh over part of the world]
+        return self._configured(mesh_groups.local_group(self.device_type, self.ranks))
 
     @property
     def _options(self) -> tuple[timedelta, bool]:
@@ -333,10 +324,7 @@ class Mesh:
             same = _timeout_of(group, self.device_type) == self.timeout
             if same and not self.check_collectives:
                 return group
-            key = (dist.group.WORLD, self._options)
-            if key not in _OWN_WORLDS:
-                _OWN_WORLDS[key] = dist.new_group(ranks=list(range(dist.get_world_size())))
-            group = _OWN_WORLDS[key]
+            group = mesh_groups.own_world(self._options)
         _set_pg_timeout(self.timeout, group)
         if self.check_collectives:
             collective_checks.check_group(group)
@@ -436,49 +424,6 @@ def _default_device_type() -> str:
     return "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
 
 
-_MESHES: dict[tuple[object, str, int, int, tuple], DeviceMesh] = {}
-_OWN_WORLDS: dict[tuple[object, tuple], ProcessGroup] = {}  # copies of the default group
-_SUBMESHES: dict[tuple[object, str | None, int, int, int, tuple], DeviceMesh] = {}
-_REWRAPPED: dict[tuple[object, ...], DeviceMesh] = {}
-_ALONE: dict[tuple[object, str, int], ProcessGroup] = {}  # a group of this rank alone
-_WHOLE_MESHES: dict[tuple[object, str | None, tuple[int, ...]], ProcessGroup] = {}  # groups
-# of a mesh over part of the world, by their ranks (made by those ranks alone)
-
-
-def _rewrapped(device_mesh: DeviceMesh, replicate: int, shard: int) -> DeviceMesh:
-    """`device_mesh` as a ("replicate", "shard") DeviceMesh over its own process groups (a
-    1-D one's other axis: a group of this rank alone, made by it alone). Building new groups
-    would be a collective of every rank of the world, and the parts of a mesh over part of
-    it, each wrapping its own, would build different ones: every rank hung, or groups of
-    one part met the other's."""
-    if device_mesh.ndim == 2:
-        groups = [device_mesh.get_group(0), device_mesh.get_group(1)]
-    else:
-        rank = dist.get_rank()
-        key = (dist.group.WORLD, device_mesh.device_type, rank)
-        if key not in _ALONE:
-            _ALONE[key] = dist.new_group([rank], use_local_synchronization=True)
-        own = device_mesh.get_group(0)
-        groups = [own, _ALONE[key]] if shard == 1 else [_ALONE[key], own]
-    return DeviceMesh.from_group(
-        groups,
-        device_mesh.device_type,
-        mesh=device_mesh.mesh.reshape(replicate, shard),
-        mesh_dim_names=AXES,
-    )
-
-
-def _cached_mesh(device_type: str, replicate: int, world: int, options: tuple) -> DeviceMesh:
-    """Build each mesh shape once per default process group and settings (all ranks do so in
-    step); meshes with their own timeout or checks get their own groups."""
-    key = (dist.group.WORLD, device_type, replicate, world, options)
-    if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(
-            device_type, (replicate, world // replicate), mesh_dim_names=AXES
-        )
-    return _MESHES[key]
-
-
 def shutdown(timeout: timedelta | float = timedelta(seconds=30)) -> None:
     """Leave torch.distributed cleanly: wait for every rank, then destroy the process groups.
 
@@ -510,12 +455,7 @@ def shutdown(timeout: timedelta | float = timedelta(seconds=30)) -> None:
     )
     assert dist.group.WORLD is not None  # the default group: initialized, as checked above
     collectives.barrier(dist.group.WORLD, timeout)
-    _MESHES.clear()
-    _SUBMESHES.clear()
-    _REWRAPPED.clear()
-    _ALONE.clear()
-    _WHOLE_MESHES.clear()
-    _OWN_WORLDS.clear()
+    mesh_groups.forget()
     collective_checks.forget_checked_groups()
     dist.destroy_process_group()
     progress.forget()  # a new process group publishes afresh
