@@ -7,16 +7,14 @@ from typing import Any
 
 from torch import Tensor
 
+from funcshard.step._regather import Geometry
 
-class Handle:
+
+class Handle(Geometry):
     """What autograd keeps instead of a view into a resharded unit's buffer."""
 
-    __slots__ = ("call", "flat", "offset", "size", "stride", "unit")
+    __slots__ = ("call", "flat", "unit")
 
     def __init__(self, call: Any, unit: int, flat: int, tensor: Tensor) -> None:
+        super().__init__(tensor)
         self.call, self.unit, self.flat = call, unit, flat
-        self.size, self.stride, self.offset = (
-            tensor.size(),
-            tensor.stride(),
-            tensor.storage_offset(),
-        )

@@ -180,7 +180,7 @@ class MetaStep:
             call.regathered[unit] = fulls
         for unit in list(call.full):
             self._swap_out(unit)  # the call puts the model's own tensors back
-            if not (self._trainable(unit) and not self.reshard):
+            if self.reshard or not self._trainable(unit):
                 call.full.pop(unit)
         for unit in self.binding.whole_call:  # from now on held by saved views alone
             flats = self.binding.unit_flats[unit]
@@ -295,12 +295,12 @@ class MetaStep:
 
     def unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, SavedView):
-            return packed.alias.as_strided(packed.size, packed.stride, packed.offset)
+            return packed.view_of(packed.alias)
         if not isinstance(packed, Handle):
             return packed
         call, unit = packed.call, packed.unit
         flat = self._regathered(call, unit)[self.binding.unit_flats[unit].index(packed.flat)]
-        return flat.as_strided(packed.size, packed.stride, packed.offset)
+        return packed.view_of(flat)
 
     def _regathered(self, call: _Call, unit: int) -> tuple[Tensor, ...]:
         """A unit's buffers in backward: regathered the first time backward asks, with the

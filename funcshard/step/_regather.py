@@ -54,35 +54,44 @@ if TYPE_CHECKING:
     from funcshard.step._unit_gathers import UnitGathers
 
 
-class _Handle:
-    """What autograd keeps instead of a view into a resharded unit's gathered buffer: the
-    unit, the buffer's position among the unit's, and the view's geometry."""
+class Geometry:
+    """A saved view's size, stride and offset in its buffer, from which `view_of` makes it
+    again at unpack: what every placeholder autograd keeps instead of a view shares."""
 
-    __slots__ = ("offset", "position", "size", "stride", "unit")
+    __slots__ = ("offset", "size", "stride")
 
-    def __init__(self, unit: int, position: int, tensor: Tensor) -> None:
-        self.unit, self.position = unit, position
+    def __init__(self, tensor: Tensor) -> None:
         self.size, self.stride, self.offset = (
             tensor.size(),
             tensor.stride(),
             tensor.storage_offset(),
         )
 
+    def view_of(self, buffer: Tensor) -> Tensor:
+        return buffer.as_strided(self.size, self.stride, self.offset)
 
-class SavedView:
+
+class _Handle(Geometry):
+    """What autograd keeps instead of a view into a resharded unit's gathered buffer: the
+    unit, the buffer's position among the unit's, and the view's geometry."""
+
+    __slots__ = ("position", "unit")
+
+    def __init__(self, unit: int, position: int, tensor: Tensor) -> None:
+        super().__init__(tensor)
+        self.unit, self.position = unit, position
+
+
+class SavedView(Geometry):
     """What autograd keeps instead of a view into a whole-call unit's gathered buffer: a
     detached alias of the buffer (its only holders after the call, see [Note: whole-call
     units in backward]) and the view's geometry."""
 
-    __slots__ = ("alias", "offset", "size", "stride")
+    __slots__ = ("alias",)
 
     def __init__(self, alias: Tensor, tensor: Tensor) -> None:
+        super().__init__(tensor)
         self.alias = alias
-        self.size, self.stride, self.offset = (
-            tensor.size(),
-            tensor.stride(),
-            tensor.storage_offset(),
-        )
 
 
 def still_held(refs: Iterable[weakref.ref[Tensor] | None]) -> tuple[Tensor, ...] | None:
@@ -210,11 +219,11 @@ class Regather:
 
     def unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, SavedView):
-            return packed.alias.as_strided(packed.size, packed.stride, packed.offset)
+            return packed.view_of(packed.alias)
         if not isinstance(packed, _Handle):
             return packed
         flat = self.gathered(packed.unit)[packed.position]
-        return flat.as_strided(packed.size, packed.stride, packed.offset)
+        return packed.view_of(flat)
 
     def gathered(self, unit: int) -> tuple[Tensor, ...]:
         """A unit's buffers in backward, regathered (and the next unit's regather issued).
