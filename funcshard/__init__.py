@@ -42,6 +42,7 @@ from funcshard.planning import Estimate as Estimate
 from funcshard.planning import estimate as estimate
 from funcshard.step import GatheredState as GatheredState
 from funcshard.step import NonFiniteError as NonFiniteError
+from funcshard.step import NonFiniteWarning as NonFiniteWarning
 from funcshard.step import Prefetch as Prefetch
 from funcshard.step import _host_memory as host_memory
 from funcshard.step import accumulate as accumulate
@@ -77,6 +78,7 @@ __all__ = [
     "MeshAxis",
     "MixedPrecision",
     "NonFiniteError",
+    "NonFiniteWarning",
     "Plan",
     "Prefetch",
     "ShardedGrads",

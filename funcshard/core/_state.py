@@ -97,6 +97,9 @@ class ShardedGrads:
     shards: tuple[Tensor | None, ...]
     layout: Layout
     replicated: dict[str, Tensor | None] = field(default_factory=dict)
+    # whether every rank's loss and gradients were finite (funcshard/step/_finite.py): not
+    # a pytree field, so a tree map's result carries none
+    verdict: Any = field(default=None, repr=False)
     _donated_to: ClassVar[str | None] = None
 
     def leaves(self) -> list[Tensor | None]:

@@ -20,7 +20,9 @@ from funcshard.core._state import ShardedGrads, donatable
 from funcshard.core._state import donate as donate_record
 from funcshard.core._tree import register_record
 from funcshard.optim._mixed_reduction import warning_on_mixed_reductions
+from funcshard.optim._leaves import with_leaves
 from funcshard.optim._params import _grad_leaves, apply_updates
+from funcshard.step import _finite as finite
 
 
 @dataclass(frozen=True)
@@ -36,14 +38,19 @@ class Optimizer:
     init: Callable[[Any], Any]
     update: Callable[..., tuple[Any, Any]]  # (grads, state, params, donate=False)
     fused_step: Callable[..., tuple[Any, Any] | None] | None = None  # None: not applicable
+    skips_nonfinite: bool = False  # it decides on non-finite steps itself (skip_nonfinite)
 
     def __post_init__(self) -> None:
         update = warning_on_mixed_reductions(_accepting_donate(self.update))
         update = _recording_only_through_grads(_donating_its_state(update))
+        if not self.skips_nonfinite:
+            update = _skipping_nonfinite_steps(update)
         object.__setattr__(self, "update", update)
 
     def step(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
         """Update and apply, donating `grads`, `state` and `params` (see the class)."""
+        if not self.skips_nonfinite and finite.skip_this_step(grads):
+            return params, state
         if self.fused_step is not None:
             done = self.fused_step(grads, state, params)
             if done is not None:
@@ -51,6 +58,23 @@ class Optimizer:
                 return done
         updates, new_state = self.update(grads, state, params, donate=True)
         return apply_updates(params, updates, donate=True), new_state
+
+
+def _skipping_nonfinite_steps(update: Callable[..., Any]) -> Callable[..., Any]:
+    """`update` that leaves out a step whose gradients' verdict says some rank's loss or
+    gradients were not finite: no updates, the state as it was (see [Note: non-finite steps
+    skipped by default] in funcshard/step/_finite.py)."""
+    if getattr(update, "_skips_nonfinite_steps", False):
+        return update
+
+    def wrapped(grads: Any, state: Any, params: Any, **kwargs: Any) -> Any:
+        if finite.skip_this_step(grads):
+            return with_leaves(grads, [None] * len(grads.leaves())), state
+        return update(grads, state, params, **kwargs)
+
+    wrapped = functools.wraps(update)(wrapped)
+    wrapped._skips_nonfinite_steps = True  # type: ignore[attr-defined]
+    return wrapped
 
 
 def _accepting_donate(update: Callable[..., Any]) -> Callable[..., Any]:

@@ -105,8 +105,10 @@ def skip_nonfinite(optimizer: Optimizer) -> Optimizer:
 
     A skipped step returns None updates (the parameters stay as they are) and the wrapped
     state untouched, and counts itself in `opt_state.skipped`. All ranks decide together
-    (see funcshard/step/_finite.py), so replicas never diverge. Communicates: one all-reduce of
-    one integer per step.
+    (see funcshard/step/_finite.py), so replicas never diverge, without the warning and
+    without the limit on skips in a row of the default (`value_and_grad(check_finite="skip")`).
+    Communicates nothing when the gradients carry that default's verdict; else one
+    all-reduce of one integer per step.
     """
 
     def init(params: Any) -> SkipState:
@@ -127,4 +129,4 @@ def skip_nonfinite(optimizer: Optimizer) -> Optimizer:
         params, inner = optimizer.step(grads, state.inner, params)
         return params, SkipState(inner=inner, skipped=state.skipped)
 
-    return Optimizer(init, update, fused_step)
+    return Optimizer(init, update, fused_step, skips_nonfinite=True)

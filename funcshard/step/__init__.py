@@ -9,6 +9,7 @@ from funcshard.step._autodiff import grad as grad
 from funcshard.step._autodiff import value_and_grad as value_and_grad
 from funcshard.step._carry import carry_zeros as carry_zeros
 from funcshard.step._finite import NonFiniteError as NonFiniteError
+from funcshard.step._finite import NonFiniteWarning as NonFiniteWarning
 from funcshard.step._gathered_state import GatheredState as GatheredState
 from funcshard.step._gathered_state import keep_gathered as keep_gathered
 from funcshard.step._metrics import global_norm as global_norm
@@ -28,6 +29,7 @@ from funcshard.step._unsharding import unshard_async as unshard_async
 __all__ = [
     "GatheredState",
     "NonFiniteError",
+    "NonFiniteWarning",
     "Prefetch",
     "accumulate",
     "call",

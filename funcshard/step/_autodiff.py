@@ -9,6 +9,7 @@ Eager and traced steps run this same code.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -41,7 +42,7 @@ def value_and_grad(
     reduce: bool = True,
     all_reduce: bool = True,
     prefetch: bool | Prefetch = True,
-    check_finite: bool = False,
+    check_finite: bool | str = "skip",
     comm: Comm | None = None,
     carry: Any = None,
 ) -> Callable[..., tuple[Any, ...]]:
@@ -53,8 +54,12 @@ def value_and_grad(
     [Note: value_and_grad of a dict]). `reduce=False` returns LocalGrads instead; `all_reduce=False`
     skips the HSDP all-reduce across replicas. `prefetch` is True, False or a
     `funcshard.Prefetch` with explicit unit orders. With `has_aux`, `f` returns `(loss, aux)`.
-    `check_finite=True` raises `funcshard.step._finite.NonFiniteError` on every rank together when
-    any rank's loss or gradients hold NaN or inf (one more all-gather of one flag per buffer).
+    `check_finite` says what happens when any rank's loss or gradients hold NaN or inf:
+    "skip" (the default) gives the sharded gradients a verdict every funcshard optimizer reads
+    first, skipping the step on every rank with a `funcshard.NonFiniteWarning` (see [Note:
+    non-finite steps skipped by default]); "raise" (or True) raises
+    `funcshard.NonFiniteError` on every rank here; "off" (or False) checks nothing. Checking
+    costs one all-gather of one flag per buffer and a sum over each gradient shard.
     `comm` (a `funcshard.Comm`) gives the gather and the reduce of every sharded call in `f`
     that names none itself; `carry` is its reduce's state, one entry per flat buffer
     (`funcshard.carry_zeros(state)` to start), and then the result is `(value, grads,
@@ -74,6 +79,7 @@ def value_and_grad(
             f"funcshard.value_and_grad: comm must be a funcshard.Comm(gather=..., "
             f"reduce=...), got {type(comm).__name__}."
         )
+    checking = finite.policy(check_finite, "value_and_grad")
     if carry is not None and (comm is None or comm.reduce is None or not reduce):
         why = "reduce=False leaves the reduce to funcshard.reduce" if comm else "no comm"
         raise ValueError(
@@ -134,8 +140,12 @@ def value_and_grad(
                 f"funcshard.value_and_grad: the first argument must be a ShardedState or a "
                 f"dict of tensors (a ShardedState with carry=), got {type(params).__name__}."
             )
-        if check_finite:
+        if checking == "raise":
             finite.check(value[0] if has_aux else value, grads)
+        elif checking == "skip" and isinstance(grads, ShardedGrads):
+            verdict = finite.issue(value[0] if has_aux else value, grads)
+            if verdict is not None:  # (None when traced)
+                grads = dataclasses.replace(grads, verdict=verdict)
         return (value, grads, new_carry) if carry is not None else (value, grads)
 
     return wrapped
@@ -379,8 +389,12 @@ def accumulate(a: Any, b: Any) -> Any:
         replicated = {
             f: _add(a.replicated.get(f), b.replicated.get(f)) for f in a.layout.replicated
         }
+        verdicts = [v for v in (a.verdict, b.verdict) if v is not None]
         return ShardedGrads(
-            shards=tuple(map(_add, a.shards, b.shards)), layout=a.layout, replicated=replicated
+            shards=tuple(map(_add, a.shards, b.shards)),
+            layout=a.layout,
+            replicated=replicated,
+            verdict=verdicts[0].merged(verdicts[1]) if len(verdicts) == 2 else None,
         )
     if isinstance(a, LocalGrads):
         return LocalGrads(grads={k: _add(a.grads[k], b.grads[k]) for k in a.grads}, layout=a.layout)

@@ -7,10 +7,41 @@ step went wrong; a rank that skipped its update while the others applied theirs 
 the replicas of a parameter different forever. So each rank computes one flag per leaf and
 the flags cross the mesh in one collective: every rank then sees the same verdict and acts
 alike (raise everywhere, or skip everywhere).
+
+[Note: non-finite steps skipped by default]
+A NaN in one rank's batch reaches every rank through the reduction, and one optimizer step
+then writes it into every parameter on every rank. Nothing the user must remember to turn on
+protects against that, so `value_and_grad` (and `reduce`) check by default (`check_finite=
+"skip"`): each rank flags its loss and each of its reduced gradient leaves (after the
+reduction, so a sum that overflowed in a low-precision reduce dtype counts too), and one
+all-gather of those few integers, issued as soon as the gradients exist and waited for only
+when an optimizer first reads it, gives every rank every rank's flags: a `Verdict`, carried
+by the `ShardedGrads` record. Every funcshard `Optimizer` reads it before it computes
+anything: a non-finite step returns no updates and the optimizer state as it was, on every
+rank, with a `NonFiniteWarning` naming the ranks and the first non-finite leaf; after
+`MAX_CONSECUTIVE_SKIPS` skips in a row it raises `NonFiniteError` instead (a run that only
+makes NaNs is broken, not unlucky). A loss that is not finite on a rank whose gradients are
+all finite is how an empty batch looks (a mean over no elements is NaN, its gradient zero):
+the warning says so, and the step is skipped too, since the mean over ranks would be wrong.
+
+Why an all-gather of its own rather than a trailer on the step's last reduction: the
+reductions are issued by autograd's backward, one unit at a time, so the last one is known
+only after it has been issued, and a trailer element would change every gradient buffer's
+layout (a copy of each full gradient, or padding in every shard). The all-gather moves
+(leaves + 1) int64 per rank, is issued without waiting and is read when the optimizer
+starts; its cost is in benchmarks/RESULTS.md. The flags cost one pass over the local
+gradient shards: a sum per leaf, which is finite unless the leaf holds NaN or inf (or finite
+values whose sum overflows, so a leaf whose sum is not finite is then looked at element by
+element, and large finite gradients never count).
+
+Not covered yet: steps traced by torch.compile or `fs.trace` carry no verdict (a compiled
+step keeps the old unchecked default; `check_finite="raise"` breaks its graph where it reads
+the flags), and plain params dicts (single process) are checked only with "raise".
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -20,6 +51,9 @@ from funcshard.comm import _collectives as collectives
 from funcshard.core._groups import GroupView
 from funcshard.core._state import LocalGrads, ShardedGrads
 
+POLICIES = ("skip", "raise", "off")
+MAX_CONSECUTIVE_SKIPS = 10  # then NonFiniteError: see [Note: non-finite steps skipped by default]
+
 
 class NonFiniteError(FloatingPointError):
     """A loss or gradient held NaN or inf on some rank; raised on every rank alike."""
@@ -27,20 +61,187 @@ class NonFiniteError(FloatingPointError):
     on_every_rank = True  # the ranks stay in step (see [Note: a rank out of step])
 
 
-def local_flags(tensors: list[Tensor | None]) -> Tensor:
-    """One int64 per tensor: 1 where it holds a NaN or inf (None counts as finite)."""
-    flags = [
-        torch.zeros((), dtype=torch.bool) if t is None else t.isfinite().all().logical_not()
-        for t in tensors
+class NonFiniteWarning(RuntimeWarning):
+    """A step was skipped on every rank because a loss or gradient held NaN or inf."""
+
+
+def policy(check_finite: bool | str, where: str) -> str:
+    """The policy a `check_finite` argument names: "skip", "raise" or "off" (True is
+    "raise" and False "off", as before there were policies)."""
+    if check_finite is True or check_finite is False:
+        return "raise" if check_finite else "off"
+    if check_finite not in POLICIES:
+        raise ValueError(
+            f"funcshard.{where}: check_finite must be 'skip' (the default: a non-finite step "
+            f"is skipped on every rank, with a warning), 'raise' (NonFiniteError on every "
+            f"rank) or 'off', got {check_finite!r}."
+        )
+    return str(check_finite)
+
+
+class Verdict:
+    """Whether a step's loss and gradients were finite on every rank: every rank's flags,
+    gathered by a collective issued when the gradients were ready and waited for on first
+    reading. Every rank reads the same flags, so every rank decides alike."""
+
+    def __init__(
+        self,
+        pending: collectives.Pending | None,
+        flags: Tensor,
+        names: list[str],
+        ranks: list[int],
+    ) -> None:
+        self._pending, self._flags = pending, flags
+        self.names, self.ranks = names, ranks
+        self._rows: list[list[int]] | None = None
+        self.acted = False  # an optimizer has decided on it (warned, or counted it finite)
+
+    def rows(self) -> list[list[int]]:
+        """Per rank: [loss not finite, then one flag per leaf]."""
+        if self._rows is None:
+            every = self._flags if self._pending is None else self._pending.wait()
+            self._rows = every.view(len(self.ranks), -1).tolist()
+            self._pending = self._flags = None  # type: ignore[assignment]
+        return self._rows
+
+    def finite(self) -> bool:
+        return not any(any(row) for row in self.rows())
+
+    def problems(self) -> str:
+        """Where the NaN or inf were, the same words on every rank."""
+        rows = self.rows()
+        problems = []
+        bad_loss = [r for r, row in zip(self.ranks, rows, strict=True) if row[0]]
+        bad_grads = any(any(row[1:]) for row in rows)
+        if bad_loss and not bad_grads:
+            problems.append(
+                f"the loss on ranks {bad_loss}, whose gradients are all finite: an empty "
+                f"batch on those ranks? (a mean over no elements is NaN, its gradient zero)"
+            )
+        elif bad_loss:
+            problems.append(f"the loss on ranks {bad_loss}")
+        bad = [
+            (name, [r for r, row in zip(self.ranks, rows, strict=True) if row[i]])
+            for i, name in enumerate(self.names, start=1)
+        ]
+        bad = [(name, holders) for name, holders in bad if holders]
+        if bad:
+            name, holders = bad[0]
+            more = f", and {len(bad) - 1} more gradient leaves" if len(bad) > 1 else ""
+            problems.append(f"gradients of {name} (on ranks {holders}) first{more}")
+        return "; ".join(problems)
+
+    def merged(self, other: Verdict | None) -> Verdict:
+        """The verdict on the sum of two gradients (`accumulate`): not finite where either
+        was not."""
+        if other is None:
+            return self
+        rows = [
+            [max(a, b) for a, b in zip(x, y, strict=True)]
+            for x, y in zip(self.rows(), other.rows(), strict=True)
+        ]
+        flags = torch.tensor(rows, dtype=torch.int64)
+        return Verdict(None, flags, self.names, self.ranks)
+
+
+def issue(loss: Tensor | None, grads: ShardedGrads) -> Verdict | None:
+    """Start deciding whether `loss` and `grads` are finite on every rank; None when the
+    step is being traced (see [Note: non-finite steps skipped by default])."""
+    leaves = grads.leaves()
+    tensors = [t for t in leaves if t is not None]
+    if loss is not None:
+        tensors.append(loss)
+    if collectives.tracing(tensors):
+        return None
+    mesh = grads.layout.mesh
+    flags = local_flags([None if loss is None else loss.detach(), *leaves], mesh.device)
+    pending = collectives.all_gather(flags, mesh.group, what="<non-finite check>")
+    return Verdict(pending, flags, _names(grads), list(mesh.ranks))
+
+
+class _Skips:
+    """Non-finite steps skipped in a row (reset by a finite one), in this process."""
+
+    in_a_row = 0
+
+
+def skip_this_step(grads: Any) -> bool:
+    """Whether an optimizer handed `grads` must leave the step out: the gradients' verdict
+    says some rank's loss or gradients were not finite. Warns the first time a verdict is
+    read (every rank alike); raises NonFiniteError once too many steps in a row were."""
+    verdict = getattr(grads, "verdict", None)
+    if verdict is None:
+        return False
+    if verdict.acted:
+        return not verdict.finite()
+    verdict.acted = True
+    if verdict.finite():
+        _Skips.in_a_row = 0
+        return False
+    _Skips.in_a_row += 1
+    if _Skips.in_a_row > MAX_CONSECUTIVE_SKIPS:
+        _Skips.in_a_row = 0
+        raise NonFiniteError(
+            f"funcshard: {MAX_CONSECUTIVE_SKIPS + 1} steps in a row had NaN or inf, the last "
+            f"in {verdict.problems()}. Every rank raises together. Look at the data and the "
+            f"learning rate; torch.autograd.set_detect_anomaly(True) finds the op that made "
+            f"them; funcshard.optim.skip_nonfinite(...) skips without limit."
+        )
+    warnings.warn(
+        f"funcshard: skipped this step on every rank (parameters and optimizer state "
+        f"unchanged; {_Skips.in_a_row} in a row, NonFiniteError after "
+        f"{MAX_CONSECUTIVE_SKIPS}): NaN or inf in {verdict.problems()}. "
+        f"value_and_grad(check_finite='raise') raises instead.",
+        NonFiniteWarning,
+        stacklevel=3,
+    )
+    return True
+
+
+def local_flags(tensors: list[Tensor | None], device: torch.device | None = None) -> Tensor:
+    """One int64 per tensor: 1 where it holds a NaN or inf (None counts as finite).
+
+    A sum per tensor is the cheap test: it is finite unless the tensor holds NaN or inf, or
+    finite values whose sum overflows; a tensor whose sum is not finite is looked at element
+    by element, so large finite values never count. Traced, every element is looked at.
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    device = device or next((t.device for t in tensors if t is not None), torch.device("cpu"))
+    if collectives.tracing([t for t in tensors if t is not None]):  # no host decisions
+        return torch.stack(
+            [
+                torch.zeros((), dtype=torch.bool, device=device)
+                if t is None
+                else t.detach().isfinite().all().logical_not().to(device)
+                for t in tensors
+            ]
+        ).to(torch.int64)
+    sums = torch.stack(
+        [
+            torch.zeros((), device=device) if t is None else t.detach().sum().float().to(device)
+            for t in tensors
+        ]
+    )
+    suspect = sums.isfinite().logical_not()
+    if not bool(suspect.any()):
+        return suspect.to(torch.int64)
+    exact = [
+        bool(s) and t is not None and not bool(t.detach().isfinite().all())
+        for s, t in zip(suspect.tolist(), tensors, strict=True)
     ]
-    return torch.stack([f.cpu() for f in flags]).to(torch.int64) if flags else torch.zeros(0)
+    return torch.tensor(exact, dtype=torch.int64, device=device)
 
 
 def any_nonfinite(grads: Any) -> bool:
     """Whether any rank's gradients hold a NaN or inf: the same answer on every rank.
 
-    Communicates: one all-reduce of a single integer over the whole mesh (none for a dict).
+    Reads the gradients' verdict when they carry one; else communicates one all-reduce of
+    a single integer over the whole mesh (none for a dict).
     """
+    verdict = getattr(grads, "verdict", None)
+    if verdict is not None:
+        return any(any(row[1:]) for row in verdict.rows())
     leaves = _leaves(grads)
     bad = local_flags(leaves).sum().reshape(1)
     if isinstance(grads, ShardedGrads | LocalGrads | GroupView):
@@ -51,45 +252,38 @@ def any_nonfinite(grads: Any) -> bool:
     return bool(bad.item() > 0)
 
 
-def check(loss: Tensor, grads: Any) -> None:
+def check(loss: Tensor | None, grads: Any, where: str = "value_and_grad") -> None:
     """Raise NonFiniteError on every rank if any rank's loss or gradients are not finite.
 
     The message names the ranks whose loss was not finite and, per unit, the ranks whose
     gradient shards were not. Communicates: one all-gather of one flag per buffer.
     """
-    flags = local_flags([loss.detach(), *_leaves(grads)])
-    if isinstance(grads, ShardedGrads):
-        names = [f"unit {f.unit!r}" for f in grads.layout.flats] + [
-            repr(f) for f in grads.layout.replicated
-        ]
-    else:
-        names = list(grads.grads if isinstance(grads, LocalGrads) else grads)
+    flags = local_flags([None if loss is None else loss.detach(), *_leaves(grads)])
     if isinstance(grads, ShardedGrads | LocalGrads):
         mesh = grads.layout.mesh
         # the flags tensor itself is gathered, and read once: under torch.compile that is
         # one collective in the graph and one break, after it (see [Note: bookkeeping
         # outside compiled graphs] in funcshard/comm/_collectives.py)
         every = collectives.all_gather(flags.to(mesh.device), mesh.group, what="<non-finite check>")
-        rows = every.wait().view(-1, flags.numel()).tolist()
-        ranks = list(mesh.ranks)
+        verdict = Verdict(every, flags, _names(grads), list(mesh.ranks))
     else:
-        rows, ranks = [flags.tolist()], [0]
-    if not any(any(row) for row in rows):
+        verdict = Verdict(None, flags, _names(grads), [0])
+    if verdict.finite():
         return
-    problems = []
-    bad_loss = [r for r, row in zip(ranks, rows, strict=True) if row[0]]
-    if bad_loss:
-        problems.append(f"the loss on ranks {bad_loss}")
-    for i, name in enumerate(names, start=1):
-        holders = [r for r, row in zip(ranks, rows, strict=True) if row[i]]
-        if holders:
-            problems.append(f"gradients of {name} (on ranks {holders})")
     raise NonFiniteError(
-        f"funcshard.value_and_grad(check_finite=True): NaN or inf in {'; '.join(problems)}. "
-        f"Every rank raises together. To skip such steps instead, wrap the optimizer in "
-        f"funcshard.optim.skip_nonfinite(...); to find the op that made them, run with "
+        f"funcshard.{where}(check_finite='raise'): NaN or inf in {verdict.problems()}. "
+        f"Every rank raises together. To skip such steps instead, leave check_finite at its "
+        f"default ('skip'); to find the op that made them, run with "
         f"torch.autograd.set_detect_anomaly(True)."
     )
+
+
+def _names(grads: Any) -> list[str]:
+    if isinstance(grads, ShardedGrads):
+        return [f"unit {f.unit or '<root>'!r}" for f in grads.layout.flats] + [
+            repr(f) for f in grads.layout.replicated
+        ]
+    return list(grads.grads if isinstance(grads, LocalGrads) else grads)
 
 
 def _leaves(grads: Any) -> list[Tensor | None]:

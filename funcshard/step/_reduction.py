@@ -5,6 +5,7 @@ does. It writes none of its inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -16,6 +17,7 @@ from funcshard.core._layout import FlatLayout, Layout
 from funcshard.core._precision import reduce_dtype
 from funcshard.core._state import LocalGrads, ShardedGrads, ShardedState
 from funcshard.core._tree import format_names
+from funcshard.step import _finite as finite
 from funcshard.step._carry import check_carry
 from funcshard.step._gather_spec import GatherSpec
 from funcshard.step._reduce_flat import reduce_whole
@@ -28,6 +30,7 @@ def reduce(
     all_reduce: bool = True,
     comm: Comm | None = None,
     carry: object = None,
+    check_finite: bool | str = "skip",
 ) -> ShardedGrads | tuple[ShardedGrads, tuple]:
     """Reduce every rank's full gradients into this rank's shard of their mean.
 
@@ -38,12 +41,35 @@ def reduce(
     divisor (sum, then divide). On an HSDP mesh `all_reduce=False` skips the all-reduce
     across replicas, for accumulating first. `comm`'s reduce, if any, replaces the
     reduce-scatter over the shard axis; `carry` is its state, and then the result is
-    `(grads, new_carry)` (see [Note: communication as user functions]).
+    `(grads, new_carry)` (see [Note: communication as user functions]). `check_finite` as
+    in `value_and_grad` (the reduced gradients' verdict, without a loss).
 
     Communicates: one reduce-scatter over the shard axis per trainable flat buffer, then one
     all-reduce over the replicate axis; one all-reduce per dtype of the replicated
     parameters. Law: equals the ranks' mean full gradient, sliced.
     """
+    checking = finite.policy(check_finite, "reduce")
+    reduced = _reduce(state, full_grads, divide_factor, all_reduce, comm, carry)
+    if checking == "off":
+        return reduced
+    grads = reduced[0] if isinstance(reduced, tuple) else reduced
+    if checking == "raise":
+        finite.check(None, grads, "reduce")
+        return reduced
+    verdict = finite.issue(None, grads)
+    if verdict is not None:
+        grads = dataclasses.replace(grads, verdict=verdict)
+    return (grads, reduced[1]) if isinstance(reduced, tuple) else grads
+
+
+def _reduce(
+    state: ShardedState,
+    full_grads: Mapping[str, Tensor | None] | LocalGrads,
+    divide_factor: float | None,
+    all_reduce: bool,
+    comm: Comm | None,
+    carry: object,
+) -> ShardedGrads | tuple[ShardedGrads, tuple]:
     layout = state.layout
     if isinstance(full_grads, LocalGrads):
         full_grads = full_grads.grads
