@@ -19,8 +19,8 @@ from funcshard.core._groups import GroupView
 from funcshard.core._state import ShardedGrads, donatable
 from funcshard.core._state import donate as donate_record
 from funcshard.core._tree import register_record
-from funcshard.optim._mixed_reduction import warning_on_mixed_reductions
 from funcshard.optim._leaves import with_leaves
+from funcshard.optim._mixed_reduction import warning_on_mixed_reductions
 from funcshard.optim._params import _grad_leaves, apply_updates
 from funcshard.step import _finite as finite
 

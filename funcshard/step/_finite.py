@@ -14,8 +14,8 @@ then writes it into every parameter on every rank. Nothing the user must remembe
 protects against that, so `value_and_grad` (and `reduce`) check by default (`check_finite=
 "skip"`): each rank flags its loss and each of its reduced gradient leaves (after the
 reduction, so a sum that overflowed in a low-precision reduce dtype counts too), and one
-all-gather of those few integers, issued as soon as the gradients exist and waited for only
-when an optimizer first reads it, gives every rank every rank's flags: a `Verdict`, carried
+all-gather of those few integers, issued as soon as the gradients exist (the host reads its
+result only when an optimizer first asks), gives every rank every rank's flags: a `Verdict`, carried
 by the `ShardedGrads` record. Every funcshard `Optimizer` reads it before it computes
 anything: a non-finite step returns no updates and the optimizer state as it was, on every
 rank, with a `NonFiniteWarning` naming the ranks and the first non-finite leaf; after
@@ -28,11 +28,11 @@ Why an all-gather of its own rather than a trailer on the step's last reduction:
 reductions are issued by autograd's backward, one unit at a time, so the last one is known
 only after it has been issued, and a trailer element would change every gradient buffer's
 layout (a copy of each full gradient, or padding in every shard). The all-gather moves
-(leaves + 1) int64 per rank, is issued without waiting and is read when the optimizer
-starts; its cost is in benchmarks/RESULTS.md. The flags cost one pass over the local
-gradient shards: a sum per leaf, which is finite unless the leaf holds NaN or inf (or finite
-values whose sum overflows, so a leaf whose sum is not finite is then looked at element by
-element, and large finite gradients never count).
+(leaves + 1) int64 per rank, after the step's last reduction; its cost is in
+benchmarks/RESULTS.md. The flags cost one pass over the local gradient shards: a sum per
+leaf, which is finite unless the leaf holds NaN or inf (or finite values whose sum
+overflows, so a leaf whose sum is not finite is then looked at element by element, and
+large finite gradients never count).
 
 Not covered yet: steps traced by torch.compile or `fs.trace` carry no verdict (a compiled
 step keeps the old unchecked default; `check_finite="raise"` breaks its graph where it reads
@@ -84,14 +84,8 @@ class Verdict:
     gathered by a collective issued when the gradients were ready and waited for on first
     reading. Every rank reads the same flags, so every rank decides alike."""
 
-    def __init__(
-        self,
-        pending: collectives.Pending | None,
-        flags: Tensor,
-        names: list[str],
-        ranks: list[int],
-    ) -> None:
-        self._pending, self._flags = pending, flags
+    def __init__(self, every: Tensor, names: list[str], ranks: list[int]) -> None:
+        self._every = every  # every rank's flags, in rank order
         self.names, self.ranks = names, ranks
         self._rows: list[list[int]] | None = None
         self.acted = False  # an optimizer has decided on it (warned, or counted it finite)
@@ -99,9 +93,7 @@ class Verdict:
     def rows(self) -> list[list[int]]:
         """Per rank: [loss not finite, then one flag per leaf]."""
         if self._rows is None:
-            every = self._flags if self._pending is None else self._pending.wait()
-            self._rows = every.view(len(self.ranks), -1).tolist()
-            self._pending = self._flags = None  # type: ignore[assignment]
+            self._rows = self._every.view(len(self.ranks), -1).tolist()
         return self._rows
 
     def finite(self) -> bool:
@@ -141,7 +133,7 @@ class Verdict:
             for x, y in zip(self.rows(), other.rows(), strict=True)
         ]
         flags = torch.tensor(rows, dtype=torch.int64)
-        return Verdict(None, flags, self.names, self.ranks)
+        return Verdict(flags, self.names, self.ranks)
 
 
 def issue(loss: Tensor | None, grads: ShardedGrads) -> Verdict | None:
@@ -155,8 +147,11 @@ def issue(loss: Tensor | None, grads: ShardedGrads) -> Verdict | None:
         return None
     mesh = grads.layout.mesh
     flags = local_flags([None if loss is None else loss.detach(), *leaves], mesh.device)
-    pending = collectives.all_gather(flags, mesh.group, what="<non-finite check>")
-    return Verdict(pending, flags, _names(grads), list(mesh.ranks))
+    # waited for here: a collective left in flight when the gradients are dropped unread
+    # would leave the ranks' exchanges out of step (on CUDA this waits on a stream, not the
+    # host; the host reads the flags only when an optimizer asks)
+    every = collectives.all_gather(flags, mesh.group, what="<non-finite check>").wait()
+    return Verdict(every, _names(grads), list(mesh.ranks))
 
 
 class _Skips:
@@ -265,9 +260,9 @@ def check(loss: Tensor | None, grads: Any, where: str = "value_and_grad") -> Non
         # one collective in the graph and one break, after it (see [Note: bookkeeping
         # outside compiled graphs] in funcshard/comm/_collectives.py)
         every = collectives.all_gather(flags.to(mesh.device), mesh.group, what="<non-finite check>")
-        verdict = Verdict(every, flags, _names(grads), list(mesh.ranks))
+        verdict = Verdict(every.wait(), _names(grads), list(mesh.ranks))
     else:
-        verdict = Verdict(None, flags, _names(grads), [0])
+        verdict = Verdict(flags, _names(grads), [0])
     if verdict.finite():
         return
     raise NonFiniteError(

@@ -117,7 +117,7 @@ def _unused_and_frozen(rank: int) -> tuple:
     at = bucket.fqns.index("unused.weight")
     start = bucket.offsets[at]
     unused = [names["<bucket 0>"][start : start + bucket.numels[at]]]
-    reduced = sum(r.numel for r in log)
+    reduced = sum(r.numel for r in log if r.dtype != torch.int64)  # (not the verdict's flags)
     return (
         sorted(names),
         names["<frozen>"] is None,

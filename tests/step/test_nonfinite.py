@@ -1,0 +1,179 @@
+"""Non-finite steps by default: a NaN or an empty batch on one rank is skipped on every rank
+with a warning naming it (or raised on every rank, with "raise"); finite steps are untouched.
+"""
+
+import functools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import funcshard as fs
+from funcshard import testing
+from funcshard.step._finite import MAX_CONSECUTIVE_SKIPS, local_flags
+
+MESHES = {
+    "fsdp": (2, lambda: fs.Mesh(shard=2)),
+    "hsdp": (4, lambda: fs.Mesh(replicate=2, shard=2)),
+    "ddp": (2, lambda: fs.Mesh(replicate=2)),
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3))
+
+
+def _state(mesh: str, model: nn.Module, mp=None) -> fs.ShardedState:
+    if mesh == "ddp":
+        return fs.replicate(model, MESHES[mesh][1](), bucket_mb=0.0001)
+    plan = fs.plan(model, policy=fs.policy.module_classes({nn.Linear}))
+    return fs.shard(model, plan, MESHES[mesh][1](), mp=mp)
+
+
+def _loss(model, state, x, scale=1.0):
+    return fs.call(model, state, x).square().mean() * scale
+
+
+def _batch(rank: int, rows: int = 4, poison: bool = False) -> torch.Tensor:
+    x = torch.randn(rows, 6, generator=torch.Generator().manual_seed(100 + rank))
+    if poison:
+        x[0, 2] = float("nan")
+    return x
+
+
+def _step(model, opt, state, opt_state, x, fused: bool, **options):
+    """One step; returns (state, opt_state, the NonFiniteWarnings' messages)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, grads = fs.value_and_grad(functools.partial(_loss, model), **options)(state, x)
+        if fused:
+            state, opt_state = opt.step(grads, opt_state, state)
+        else:
+            updates, opt_state = opt.update(grads, opt_state, state)
+            state = fs.apply_updates(state, updates)
+    return state, opt_state, [str(w.message) for w in caught if w.category is fs.NonFiniteWarning]
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _scenarios(mesh: str, rank: int) -> dict:
+    model = _model()
+    opt = fs.optim.adamw(1e-2)
+    out = {}
+    for name, rows, poison in (("nan", 4, rank == 1), ("empty", 0 if rank == 1 else 4, False)):
+        for fused in (True, False):
+            state = _state(mesh, model)
+            opt_state = opt.init(state)
+            before = fs.unshard(state)
+            state, new_opt_state, said = _step(
+                model, opt, state, opt_state, _batch(rank, rows, poison), fused
+            )
+            out[name, fused] = (
+                _same(before, fs.unshard(state)),
+                int(new_opt_state.step),
+                said,
+            )
+    # "raise": the error on every rank, naming the rank
+    state = _state(mesh, model)
+    try:
+        fs.value_and_grad(functools.partial(_loss, model), check_finite="raise")(
+            state, _batch(rank, poison=rank == 1)
+        )
+        out["raise"] = "no error"
+    except fs.NonFiniteError as e:
+        out["raise"] = str(e)
+    # skip_nonfinite as before: counts the skip, says nothing
+    skipping = fs.optim.skip_nonfinite(opt)
+    state = _state(mesh, model)
+    before = fs.unshard(state)
+    state, skip_state, said = _step(
+        model, skipping, state, skipping.init(state), _batch(rank, poison=rank == 1), True
+    )
+    out["skip_nonfinite"] = (_same(before, fs.unshard(state)), int(skip_state.skipped), said)
+    # a finite step is taken, bitwise as with the check off: a batch of one row on rank 0
+    results = []
+    for check in ("skip", "off"):
+        state = _state(mesh, model)
+        loss = functools.partial(_loss, model)
+        _, grads = fs.value_and_grad(loss, check_finite=check)(state, _batch(rank, 1 + 3 * rank))
+        sgd = fs.optim.sgd(0.1)
+        updates, _ = sgd.update(grads, sgd.init(state), state)
+        results.append(fs.unshard(fs.apply_updates(state, updates)))
+    out["one row"] = _same(*results) and not _same(results[0], fs.unshard(_state(mesh, model)))
+    # accumulation with reduce=False, then reduce: its default check changes no number
+    state = _state(mesh, model)
+    local = fs.value_and_grad(functools.partial(_loss, model), reduce=False)
+    _, g1 = local(state, _batch(rank))
+    _, g2 = local(state, _batch(rank + 7))
+    summed = fs.accumulate(g1, g2)
+    checked, unchecked = fs.reduce(state, summed), fs.reduce(state, summed, check_finite="off")
+    out["accumulated"] = (
+        checked.verdict is not None and checked.verdict.finite(),
+        all(torch.equal(a, b) for a, b in zip(checked.leaves(), unchecked.leaves(), strict=True)),
+    )
+    return out
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_a_bad_batch_on_one_rank_is_skipped_on_every_rank_and_named(mesh):
+    world = MESHES[mesh][0]
+    results = testing.run(functools.partial(_scenarios, mesh), world_size=world, timeout=120)
+    for rank, out in enumerate(results):
+        for fused in (True, False):
+            intact, count, said = out["nan", fused]
+            assert intact and count == 0, (rank, fused, out["nan", fused])
+            assert len(said) == 1 and "skipped this step on every rank" in said[0], said
+            assert "NaN or inf in the loss on ranks [1]; gradients of unit" in said[0], said
+            intact, count, said = out["empty", fused]
+            assert intact and count == 0, (rank, fused, out["empty", fused])
+            assert len(said) == 1 and "the loss on ranks [1], whose gradients are all " in said[0]
+            assert "an empty batch on those ranks?" in said[0], said
+        assert out["raise"].startswith(
+            "funcshard.value_and_grad(check_finite='raise'): NaN or inf in the loss on ranks [1]"
+        ), out["raise"]
+        assert out["skip_nonfinite"] == (True, 1, []), out["skip_nonfinite"]
+        assert out["one row"]
+        assert out["accumulated"] == (True, True)
+
+
+def _too_many_in_a_row(rank: int) -> tuple[int, str]:
+    model = _model()
+    state = _state("fsdp", model)
+    opt = fs.optim.sgd(0.1)
+    grad_fn = fs.value_and_grad(functools.partial(_loss, model))
+    opt_state = opt.init(state)
+    steps = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fs.NonFiniteWarning)
+        try:
+            for steps in range(1, 20):  # noqa: B007 (read after the loop)
+                _, grads = grad_fn(state, _batch(rank, poison=rank == 0))
+                state, opt_state = opt.step(grads, opt_state, state)
+        except fs.NonFiniteError as e:
+            return steps, str(e)
+    return steps, "no error"
+
+
+def test_too_many_skips_in_a_row_raise_on_every_rank():
+    for steps, message in testing.run(_too_many_in_a_row, world_size=2):
+        assert steps == MAX_CONSECUTIVE_SKIPS + 1, (steps, message)
+        assert f"{MAX_CONSECUTIVE_SKIPS + 1} steps in a row had NaN or inf" in message
+        assert "the loss on ranks [0]" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_finite_gradients_whose_sum_overflows_are_finite(dtype):
+    big = torch.full((64,), torch.finfo(dtype).max / 4, dtype=dtype)
+    assert not big.sum().isfinite()  # the cheap test alone would call it non-finite
+    poisoned = big.clone()
+    poisoned[3] = float("inf")
+    assert local_flags([big, None, poisoned, big[:0]]).tolist() == [0, 0, 1, 0]
+
+
+def test_check_finite_refuses_an_unknown_policy_naming_the_choices():
+    with pytest.raises(ValueError, match=r"'skip' \(the default.*'raise'.*'off', got 'warn'"):
+        fs.value_and_grad(lambda p: p["w"].sum(), check_finite="warn")
