@@ -185,7 +185,9 @@ def _gathering(shard: Tensor, group: ProcessGroup, op: str, what: str | None) ->
     work: dist.Work | exchange.Exchange
     if eager and exchange.is_gloo(group):
         with _below_autograd():
-            out, work = exchange.all_gather(shard.detach(), group)
+            # a check's own gather compares what differs, so its header must not
+            header_what = what if op == "all_gather" else None
+            out, work = exchange.all_gather(shard.detach(), group, header_what)
         return Pending(out, op=op, group=group, what=what, work=work)
     if eager:
         out = shard.new_empty(shard.numel() * group.size())  # on the compute stream
@@ -213,7 +215,7 @@ def reduce_scatter(
     work: dist.Work | exchange.Exchange
     if eager and exchange.is_gloo(group):
         with _below_autograd():
-            out, work = exchange.reduce_scatter(flat if owned else flat.clone(), group, op)
+            out, work = exchange.reduce_scatter(flat if owned else flat.clone(), group, op, what)
         return Pending(out, op="reduce_scatter", group=group, what=what, work=work)
     if eager:
         out = flat.new_empty(flat.numel() // group.size())  # on the compute stream

@@ -25,6 +25,20 @@ message can only meet the receive posted for it, however many exchanges are in f
 A peer that never sends surfaces as the receive's timeout (the process group's), raised at
 `wait`.
 
+[Note: the exchange's header in its tag]
+Ranks that are not in the same collective (a forward on rank 0 alone, an evaluation only
+the first rank runs) still pair their exchanges by count: rank 0's all-gather of one unit
+met rank 1's reduce-scatter of another, and gloo aborted the process on the sizes (signal
+6, no Python traceback), or, with equal sizes, the ranks silently read each other's
+buffers. So a tag also holds a header: a 10-bit checksum of the exchange's op, unit, numel
+and dtype. Exchanges that differ in any of those are under different tags, so a message
+never meets the other collective's receive; each rank's receive waits out the group's
+timeout instead and raises a CollectiveError naming its own collective and where the other
+ranks are (their progress records). It costs nothing per exchange (a dictionary lookup);
+two different exchanges alike in their checksums (1 in 1024) fail as before. A tag is
+(epoch: 5 bits, header: 10, count: 16): counts wrap after 65,536 exchanges on a group, far
+beyond any in flight.
+
 Each direction between two ranks has a connection of its own: a rank sends to higher ranks
 through the group and to lower ranks through the group's twin (`_carrier`), a second gloo
 group of the same ranks, made by the group's ranks at their first exchange on it. gloo
@@ -39,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import zlib
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -48,7 +63,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 _TAGS: dict[str, Iterator[int]] = {}
-_TAG_BITS = 20  # a tag is (epoch, count): counts wrap after 1M exchanges, epochs after 256
+_COUNT_BITS, _HEADER_BITS, _EPOCH_BITS = 16, 10, 5  # a tag, below gloo's 31 bits: see
+# [Note: the exchange's header in its tag]
 _epoch = 0
 
 
@@ -83,11 +99,15 @@ class Exchange:
             finish()
 
 
-def all_gather(shard: Tensor, group: ProcessGroup) -> tuple[Tensor, Exchange]:
+def all_gather(
+    shard: Tensor, group: ProcessGroup, what: str | None = None
+) -> tuple[Tensor, Exchange]:
     """Start gathering every rank's 1-D `shard` in rank order; returns the output (read it
-    only after the exchange's `wait`) and the exchange."""
+    only after the exchange's `wait`) and the exchange. `what` (the unit) goes into the
+    header (see [Note: the exchange's header in its tag])."""
     _wait_orphans(group)
-    n, me, tag = group.size(), group.rank(), _next_tag(group)
+    n, me = group.size(), group.rank()
+    tag = _next_tag(group, header("all_gather", what, shard))
     out = shard.new_empty(shard.numel() * n)
     for observe in _GATHER_OBSERVERS:
         observe(out)
@@ -99,13 +119,16 @@ def all_gather(shard: Tensor, group: ProcessGroup) -> tuple[Tensor, Exchange]:
     return out, Exchange(group, works)
 
 
-def reduce_scatter(flat: Tensor, group: ProcessGroup, op: str) -> tuple[Tensor, Exchange]:
+def reduce_scatter(
+    flat: Tensor, group: ProcessGroup, op: str, what: str | None = None
+) -> tuple[Tensor, Exchange]:
     """Start reducing 1-D `flat` (op "avg" or "sum"); rank r's result is chunk r. Returns
     the result (read it only after the exchange's `wait`) and the exchange. Holds `flat`
     until its chunks are sent, and besides the result, a receive buffer for the peers past
     the first (none on 2 ranks)."""
     _wait_orphans(group)
-    n, me, tag = group.size(), group.rank(), _next_tag(group)
+    n, me = group.size(), group.rank()
+    tag = _next_tag(group, header("reduce_scatter", what, flat))
     parts = flat.view(n, -1)
     peers = _peers(n, me)
     out = flat.new_empty(parts.shape[1])
@@ -202,11 +225,26 @@ def _timeout(group: ProcessGroup) -> timedelta:
 _TIMEOUTS: dict[str, timedelta] = {}
 
 
-def _next_tag(group: ProcessGroup) -> int:
+def header(op: str, what: str | None, tensor: Tensor) -> int:
+    """The exchange's checksum of its op, unit, numel and dtype, the same on every rank."""
+    key = (op, what, tensor.numel(), tensor.dtype)
+    found = _HEADERS.get(key)
+    if found is None:
+        text = f"{op}|{what}|{key[2]}|{tensor.dtype}".encode()
+        found = _HEADERS[key] = zlib.crc32(text) % (1 << _HEADER_BITS)
+    return found
+
+
+_HEADERS: dict[tuple[str, str | None, int, torch.dtype], int] = {}
+
+
+def _next_tag(group: ProcessGroup, header: int) -> int:
     counter = _TAGS.get(group.group_name)
     if counter is None:
         counter = _TAGS[group.group_name] = itertools.count()
-    return (_epoch % 256) << _TAG_BITS | next(counter) % (1 << _TAG_BITS)
+    epoch = _epoch % (1 << _EPOCH_BITS)
+    count = next(counter) % (1 << _COUNT_BITS)
+    return (epoch << _HEADER_BITS | header) << _COUNT_BITS | count
 
 
 def new_epoch() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -186,10 +187,48 @@ def failed(
         f"rank {dist.get_rank()}: {op}{unit} over ranks {ranks} did not complete: {cause}\n"
         f"{first}The last funcshard collective this rank issued: {last_issued()}.\n{others}"
         f"The other ranks of the group did not join it in time: one died or hung, or the "
-        f"ranks took different paths (e.g. batch shapes that change which units run). "
+        f"ranks took different paths (e.g. batch shapes that change which units run, or a "
+        f"forward or an evaluation run on some ranks only). "
         f"Mesh(timeout=...) bounds the wait; Mesh(check_collectives=True) (or "
         f"FUNCSHARD_CHECK_COLLECTIVES=1) compares every collective across ranks first and "
         f"names the first that differs."
+    )
+
+
+@contextlib.contextmanager
+def every_rank_calls(call: str, ranks: list[int]) -> Iterator[None]:
+    """Mark the block as `call` (e.g. "funcshard.checkpoint.save"), which every rank of
+    `ranks` must make at the same point: the other ranks' reports name it while this rank
+    is inside, and a collective failing inside it (torch's own, as DCP's, or funcshard's)
+    raises a CollectiveError that names it, says where the other ranks are and that every
+    rank calls it. A rank that calls it alone thus fails within the group's timeout, with
+    funcshard's error, and so do the ranks it left waiting elsewhere."""
+    outer, progress.Here.call = progress.Here.call, call
+    try:
+        yield
+    except CollectiveError as e:
+        raise CollectiveError(f"{e}\n{_alone_words(call)}") from e
+    except Exception as e:
+        if not is_failure(e):
+            raise
+        progress.Here.waiting = None
+        others = progress.report(ranks, count_issued())
+        others = (
+            f"Where the other ranks are (their progress records):\n{others}\n" if others else ""
+        )
+        raise CollectiveError(
+            f"rank {dist.get_rank()}: {call} did not complete: {e}\nThe last funcshard "
+            f"collective this rank issued: {last_issued()}.\n{others}{_alone_words(call)}"
+        ) from e
+    finally:
+        progress.Here.call = outer
+
+
+def _alone_words(call: str) -> str:
+    return (
+        f"This rank was inside {call}, which every rank of the mesh calls at the same point "
+        f"(not under `if rank == 0:`); a rank that calls it alone leaves the others waiting "
+        f"in their next collective."
     )
 
 

@@ -9,8 +9,9 @@ rank whose collective fails reads every rank's before it raises:
 
 - what: the count, op and unit of the last funcshard collective the rank issued (what
   `failures.last_issued` says; a compiled step counts as its call, "inside compiled
-  step k" while it runs), whether it is waiting in a collective right now, and when that
-  last changed;
+  step k" while it runs), whether it is waiting in a collective right now, the call of
+  every rank it is inside (`fs.checkpoint.save`, `fs.full_state_dict`: see
+  `failures.every_rank_calls`), and when that last changed;
 - who writes: a daemon thread per process, every `INTERVAL` seconds, and only when
   something changed. Nothing runs per collective but two attribute writes around a wait
   (`waiting`), so the cost per collective is what `_before` already pays (see
@@ -50,6 +51,7 @@ class Here:
     rank: int | None = None
     store: Any = None
     waiting: tuple[str, str | None] | None = None  # (op, unit) a wait is blocked in
+    call: str | None = None  # the funcshard call of every rank this rank is in, if any
     left: str | None = None  # why the rank left, once it did
     thread: threading.Thread | None = None
     written: tuple | None = None  # what was written last, and when it changed
@@ -102,7 +104,7 @@ def _snapshot() -> tuple:
     last = Here.source() if Here.source is not None else None
     waiting = Here.waiting
     words = Here.describe(*waiting) if waiting is not None and Here.describe else None
-    return (last, words, Here.left)
+    return (last, words, Here.left, Here.call)
 
 
 def _write() -> None:
@@ -112,8 +114,9 @@ def _write() -> None:
     if now == Here.written:
         return
     Here.written, Here.changed = now, time.time()
-    last, waiting, left = now
+    last, waiting, left, call = now
     record = {
+        "call": call,
         "count": last[0] if last else 0,
         "last": last[1] if last else "none yet",
         "waiting": waiting,
@@ -154,8 +157,11 @@ def _where(store: Any, rank: int, count: int) -> str:
     ago = f"{max(0.0, time.time() - record['since']):.0f} s ago"
     if record["left"]:
         return f"left ({record['left']}) {ago}; its last collective: {record['last']}"
+    inside = f" inside {record['call']}" if record.get("call") else ""
     if record["waiting"]:
-        state = f"waiting in {record['waiting']} since {ago}"
+        state = f"waiting in {record['waiting']}{inside} since {ago}"
+    elif inside:
+        state = f"{inside.strip()}, not in any funcshard collective since {ago}"
     else:
         state = f"not in any funcshard collective since {ago} (in user code, or gone)"
     behind = ", behind this rank" if record["count"] < count else ""

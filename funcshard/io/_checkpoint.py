@@ -33,6 +33,7 @@ from typing import Any
 from torch import Tensor
 
 from funcshard.comm import _collectives as collectives
+from funcshard.comm import _failures as failures
 from funcshard.comm import _process_groups as process_groups
 from funcshard.core._state import ShardedState, ensure_live
 from funcshard.io import _checkpoint_dict as checkpoint_dict
@@ -89,8 +90,24 @@ def save(
     job committed to meanwhile raises `CheckpointConflict` (see [Note: writers and readers
     of a checkpoint directory]). Returns the directory written. Communicates: all-gathers
     of the digests, the directory's name, the checksums and the commit's outcome, a
-    broadcast per buffer, DCP's collective save.
+    broadcast per buffer, DCP's collective save. Every rank of the state's mesh calls it, at
+    the same point of the program: a rank that saves alone raises a CollectiveError naming
+    this call within the mesh's timeout, as do the ranks it left waiting.
     """
+    ranks = list(state.layout.mesh.ranks)
+    with failures.every_rank_calls("funcshard.checkpoint.save", ranks):
+        return _save(path, state, opt_state, step, extra, keep, checksums)
+
+
+def _save(
+    path: str | os.PathLike,
+    state: ShardedState,
+    opt_state: Any,
+    step: int | None,
+    extra: dict | None,
+    keep: int | None,
+    checksums: bool,
+) -> str:
     ensure_live(state, "checkpoint.save")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"funcshard.checkpoint.save: keep must be an int >= 1, got {keep!r}.")

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from funcshard.comm import _failures as failures
 from funcshard.comm import _process_groups as process_groups
 from funcshard.comm._mesh import Mesh
 from funcshard.core._module import feed_tied, reparametrized
@@ -25,8 +26,16 @@ def full_state_dict(state: ShardedState) -> dict[str, Tensor] | None:
     elsewhere): tied weights under every name, persistent buffers only.
 
     Communicates: one all-gather per flat buffer, one unit at a time, so no rank holds more
-    than one unit beyond its shards while gathering.
+    than one unit beyond its shards while gathering. So every rank of the mesh calls it, at
+    the same point of the program (not under `if rank == 0:`): a rank that calls it alone
+    raises a CollectiveError naming this call within the mesh's timeout, as do the ranks it
+    left waiting.
     """
+    with failures.every_rank_calls("funcshard.full_state_dict", list(state.layout.mesh.ranks)):
+        return _full_state_dict(state)
+
+
+def _full_state_dict(state: ShardedState) -> dict[str, Tensor] | None:
     layout = state.layout
     first = process_groups.group_rank(layout.mesh.group) == 0
     params: dict[str, Tensor] = {}

@@ -1,0 +1,101 @@
+"""A collective call made on one rank only (an evaluation forward, a checkpoint save, a full
+state dict under `if rank == 0:`) raises funcshard's error on every rank within the mesh's
+timeout, naming the other rank and the call: no signal, no hang, no bare gloo error."""
+
+import functools
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import funcshard as fs
+from funcshard import testing
+from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
+
+TIMEOUT = 2  # seconds: the mesh's
+
+
+def _loss(model, state, x, y):
+    return F.cross_entropy(fs.call(model, state, x).flatten(0, 1), y.flatten())
+
+
+def on_rank_0_only(case: str, directory: str, rank: int) -> tuple[str, float]:
+    """Train 3 steps, rank 0 making `case`'s call alone after each; returns the error's
+    type and message, and the seconds from the first step to it."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2))
+    mesh = fs.Mesh(shard=2, timeout=timedelta(seconds=TIMEOUT))
+    state = fs.shard(model, fs.plan(model, policy=fs.policy.module_classes({Block})), mesh)
+    x, y = random_tokens(model.cfg, 2, seed=rank)
+    grad_fn = fs.value_and_grad(functools.partial(_loss, model))
+    started = time.perf_counter()
+    try:
+        for step in range(3):
+            grad_fn(state, x, y)
+            if rank == 0:
+                if case == "forward":
+                    with torch.no_grad():
+                        _loss(model, state, x, y)
+                elif case == "save":
+                    fs.checkpoint.save(directory, state, step=step)
+                else:
+                    fs.full_state_dict(state)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}", time.perf_counter() - started
+    return "no error", time.perf_counter() - started
+
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "torchrun_one_rank_only.py"
+CALLS = {
+    "forward": None,
+    "save": "funcshard.checkpoint.save",
+    "state_dict": "funcshard.full_state_dict",
+}
+
+
+def _check(rank: int, message: str, seconds: float, case: str) -> None:
+    assert message.startswith(f"CollectiveError: rank {rank}: "), message
+    assert seconds < 3 * TIMEOUT + 20, seconds  # (its last steps' waits, then the reports)
+    assert f"\nrank {1 - rank}: " in message, message  # where the other is, or that it left
+    if CALLS[case]:  # rank 0 says it was inside the call; rank 1 reads it in rank 0's record
+        inside = "This rank was inside" if rank == 0 else "inside"
+        assert f"{inside} {CALLS[case]}" in message, message
+
+
+@pytest.mark.parametrize("case", list(CALLS))
+def test_a_call_made_on_rank_0_only_raises_on_both_ranks_naming_it(case):
+    run = functools.partial(on_rank_0_only, case, tempfile.mkdtemp())
+    for rank, (message, seconds) in enumerate(testing.run(run, fresh=True, timeout=90)):
+        _check(rank, message, seconds, case)
+
+
+def test_under_torchrun_a_forward_on_rank_0_only_raises_on_both_ranks():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPT),
+            "forward",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "SIG" not in out, out[-3000:]  # (torchrun names signals)
+    for rank in (0, 1):
+        line = next(ln for ln in done.stdout.splitlines() if ln.startswith(f"RANK {rank} AFTER"))
+        seconds = float(line.split()[3])
+        _check(rank, line.split(" s: ", 1)[1].replace(" | ", "\n"), seconds, "forward")
