@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -181,17 +182,31 @@ def failed(
     unit = unit_words(what)
     first = first_failure()
     first = f"First failure (recorded by fs.fail_fast): {first}.\n" if first else ""
+    if any(mark in str(cause).lower() for mark in ("reset by peer", "connection closed")):
+        time.sleep(0.5)  # a killed peer's sockets close before its process is gone
     others = progress.report(ranks, count_issued()) if isinstance(ranks, list) else ""
     others = f"Where the other ranks are (their progress records):\n{others}\n" if others else ""
     return CollectiveError(
         f"rank {dist.get_rank()}: {op}{unit} over ranks {ranks} did not complete: {cause}\n"
         f"{first}The last funcshard collective this rank issued: {last_issued()}.\n{others}"
-        f"The other ranks of the group did not join it in time: one died or hung, or the "
-        f"ranks took different paths (e.g. batch shapes that change which units run, or a "
-        f"forward or an evaluation run on some ranks only). "
-        f"Mesh(timeout=...) bounds the wait; Mesh(check_collectives=True) (or "
-        f"FUNCSHARD_CHECK_COLLECTIVES=1) compares every collective across ranks first and "
-        f"names the first that differs."
+        f"{_why_not_joined(others)}"
+    )
+
+
+def _why_not_joined(others: str) -> str:
+    """The likely causes, given where the other ranks are: a process gone or stopped says
+    it all; otherwise they hung, or took another path."""
+    if progress.absent(others):
+        return (
+            "Another rank's process has exited or is stopped (above), so the collective "
+            "cannot complete; restart the job (funcshard.checkpoint.load resumes it)."
+        )
+    return (
+        "The other ranks of the group did not join it in time: one died or hung, or the "
+        "ranks took different paths (e.g. batch shapes that change which units run, or a "
+        "forward or an evaluation run on some ranks only). Mesh(timeout=...) bounds the "
+        "wait; Mesh(check_collectives=True) (or FUNCSHARD_CHECK_COLLECTIVES=1) compares "
+        "every collective across ranks first and names the first that differs."
     )
 
 

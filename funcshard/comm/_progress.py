@@ -32,6 +32,7 @@ import atexit
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -123,6 +124,7 @@ def _write() -> None:
         "left": left,
         "since": Here.changed,
         "pid": os.getpid(),
+        "host": socket.gethostname(),
     }
     with contextlib.suppress(Exception):  # the store went with the rank hosting it
         Here.store.set(_key(Here.rank), json.dumps(record))
@@ -157,6 +159,12 @@ def _where(store: Any, rank: int, count: int) -> str:
     ago = f"{max(0.0, time.time() - record['since']):.0f} s ago"
     if record["left"]:
         return f"left ({record['left']}) {ago}; its last collective: {record['last']}"
+    process = _process_state(record)
+    if process is not None:  # it writes no more: its record may lag its last INTERVAL
+        return (
+            f"its process {record['pid']} {process}; the last collective it recorded "
+            f"(records lag up to {INTERVAL:.0f} s): {record['last']}"
+        )
     inside = f" inside {record['call']}" if record.get("call") else ""
     if record["waiting"]:
         state = f"waiting in {record['waiting']}{inside} since {ago}"
@@ -166,6 +174,37 @@ def _where(store: Any, rank: int, count: int) -> str:
         state = f"not in any funcshard collective since {ago} (in user code, or gone)"
     behind = ", behind this rank" if record["count"] < count else ""
     return f"last collective {record['last']}{behind}; {state}"
+
+
+def _process_state(record: dict) -> str | None:
+    """Why a rank on this host writes no more: its process "has exited (killed by a
+    signal?)" or "is stopped (SIGSTOP, or a debugger)"; None when it runs, or runs on
+    another host (where only its record's age tells)."""
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return None
+    gone = "has exited (killed by a signal?)"
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return gone
+    except OSError:  # no /proc (macOS): only whether the process exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return gone
+        except OSError:
+            return None
+        return None
+    return {"T": "is stopped (SIGSTOP, or a debugger)", "t": "is stopped (a debugger)"}.get(
+        state, gone if state in "ZX" else None
+    )
+
+
+def absent(text: str) -> bool:
+    """Whether a `report` says some rank's process exited or is stopped."""
+    return " has exited (" in text or " is stopped (" in text
 
 
 atexit.register(leaving, "the process exited")

@@ -213,9 +213,8 @@ class WorkerPool:
         finished = sorted(replies)
         error = RankDied(
             f"testing.run({name}, world_size={self.world_size}): rank {rank} died with {how} "
-            f"(finished before it: {finished}). gloo aborts a process on mismatched collective "
-            f"shapes; see the rank's stderr above. The pool was killed; the next call starts "
-            f"a fresh one.{raised_before(replies)}"
+            f"(finished before it: {finished}). {_why_it_died(code)}The pool was killed; the "
+            f"next call starts a fresh one.{raised_before(replies)}"
         )
         return with_rank_cause(error, replies, name, self.world_size)
 
@@ -311,3 +310,19 @@ def _context(start_method: str | None) -> _Context:
 
 
 QUIT_GRACE = 5.0  # seconds an idle worker gets to exit normally; a busy one is then killed
+
+
+def _why_it_died(code: int | None) -> str:
+    """What a worker's exit code suggests, in words: only an abort (signal 6) is what gloo
+    does on mismatched collectives, and only a kill (9) is the out-of-memory killer's."""
+    if code == -signal.SIGABRT:
+        return (
+            "gloo aborts a process on mismatched collective shapes (or a C++ assertion "
+            "failed); see the rank's stderr above. "
+        )
+    if code == -signal.SIGKILL:
+        return "SIGKILL: the out-of-memory killer, or a kill -9 from outside. "
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else "a signal"
+        return f"{name} from outside, or a crash; see its stderr above. "
+    return "See the rank's stderr above. "

@@ -3,6 +3,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -169,3 +170,20 @@ def test_nccl_meshes_switch_torchs_flight_recorder_on_unless_the_user_set_it():
     mine = {"TORCH_FR_BUFFER_SIZE": "50", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
     assert flight_recorder.switch_on("cpu:gloo,cuda:nccl", mine) == {}
     assert mine == {"TORCH_FR_BUFFER_SIZE": "50", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+
+
+def test_a_process_stopped_or_gone_is_named_as_such_not_by_its_lagging_record():
+    """A rank stopped (SIGSTOP) or killed writes no more, so its record may lag its last
+    collectives: the report says what became of its process instead (same host)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = {"pid": child.pid, "host": progress.socket.gethostname()}
+        assert progress._process_state(record) is None  # running: its record speaks for it
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        assert progress._process_state(record) == "is stopped (SIGSTOP, or a debugger)"
+    finally:
+        child.kill()
+        child.wait()
+    assert progress._process_state(record) == "has exited (killed by a signal?)"
+    assert progress._process_state({**record, "host": "elsewhere"}) is None

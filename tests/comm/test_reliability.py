@@ -354,6 +354,11 @@ def test_a_rank_killed_mid_step_makes_the_survivor_raise_naming_the_collective()
     assert isinstance(survivor, failures.CollectiveError), survivor
     assert str(survivor).startswith("rank 0: all_gather of unit 'blocks.")
     assert "over ranks [0, 1] did not complete" in str(survivor)
+    # the dead rank named as such: no hint about ranks that took different paths
+    assert re.search(r"rank 1: its process \d+ has exited \(killed by a signal\?\)", str(survivor))
+    assert "took different paths" not in str(survivor), survivor
+    assert "SIGKILL: the out-of-memory killer" in str(caught.value)
+    assert "mismatched collective" not in str(caught.value)
     assert time.perf_counter() - started < 20
 
 
