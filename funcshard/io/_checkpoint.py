@@ -47,6 +47,7 @@ from funcshard.io._checkpoint_latest import META, open_checkpoint, previous_hint
 from funcshard.io._checkpoint_latest import CheckpointRetired as CheckpointRetired
 from funcshard.io._checkpoint_verify import verified
 from funcshard.io._checkpoint_verify import verify as verify
+from funcshard.io._dcp import CheckpointDiskFull as CheckpointDiskFull
 from funcshard.io._hf import load_hf as load_hf
 from funcshard.io._hf_save import save_hf as save_hf
 from funcshard.io._integrity import CheckpointCorrupted as CheckpointCorrupted
@@ -58,6 +59,7 @@ from funcshard.io._optim_leaves import optim_leaves, rebuild
 __all__ = [
     "CheckpointConflict",
     "CheckpointCorrupted",
+    "CheckpointDiskFull",
     "CheckpointRetired",
     "Report",
     "load",

@@ -5,7 +5,10 @@ Only the checkpoint code imports it; process groups come in as arguments."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import pickle
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,13 +66,62 @@ def global_size(tensor: Any) -> tuple[int, ...]:
         return tuple(tensor.size())
 
 
+class CheckpointDiskFull(OSError):
+    """A save found no space left (or the disk quota exceeded) on some rank's filesystem:
+    raised on every rank (DCP gathers the ranks' write errors), naming the directory, the
+    ranks that failed and the bytes a rank writes."""
+
+
+_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
 def dcp_save(state_dict: dict[str, Any], directory: str, group: ProcessGroup | None = None) -> None:
     """Save through torch.distributed.checkpoint; every rank of `group` (the default group
-    when None) writes its own pieces."""
+    when None) writes its own pieces. A full disk is `CheckpointDiskFull`, not DCP's
+    CheckpointException (a BaseException) around an OSError."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    with _quiet_sharded_tensor():
-        dcp.save(state_dict, checkpoint_id=directory, process_group=group)
+    try:
+        with _quiet_sharded_tensor():
+            dcp.save(state_dict, checkpoint_id=directory, process_group=group)
+    except CheckpointException as e:
+        full = {
+            rank: error
+            for rank, (error, _) in e.failures.items()
+            if isinstance(error, OSError) and error.errno in _FULL
+        }
+        if not full:
+            raise
+        code = next(iter(full.values())).errno
+        raise CheckpointDiskFull(
+            code,
+            f"funcshard.checkpoint.save: no space left writing {directory!r} on ranks "
+            f"{sorted(full)} ({os.strerror(code)}). This rank writes {_local_bytes(state_dict):,} "
+            f"bytes there, and its filesystem has {_free_bytes(directory):,} bytes free. Free "
+            f"space, or pass keep=N to keep fewer checkpoints; nothing half-written is loaded.",
+        ) from e
+
+
+def _local_bytes(state_dict: dict[str, Any]) -> int:
+    """The bytes of tensors this rank writes (its pieces of the sharded ones)."""
+    total = 0
+    for value in state_dict.values():
+        if hasattr(value, "local_shards"):  # (a ShardedTensor is a Tensor too)
+            total += sum(t.numel() * t.element_size() for _, t in local_pieces(value))
+        elif isinstance(value, Tensor):
+            total += value.numel() * value.element_size()
+    return total
+
+
+def _free_bytes(directory: str) -> int:
+    path = directory
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path or ".").free
+    except OSError:
+        return -1
 
 
 class CheckpointReadError(RuntimeError):

@@ -1,9 +1,11 @@
 """Checkpoints give back exactly what each rank saved, or refuse by name (issue 39)."""
 
 import concurrent.futures
+import contextlib
 import functools
 import json
 import os
+import re
 import time
 import warnings
 from typing import NamedTuple
@@ -379,3 +381,36 @@ def test_each_unclear_message_names_the_cause_and_the_fix(tmp_path):
     _text(sums, json.dumps(record))
     for error in _run(path, "load"):
         assert "funcshard.checksums.json itself is damaged" in error, error
+
+
+def _save_on_a_full_disk(path: str, rank: int) -> tuple[str, str, bool]:
+    """Rank 1's filesystem is full (its writes raise ENOSPC): every rank raises
+    CheckpointDiskFull, and the mesh's ranks stay in step (a later save succeeds)."""
+    import errno
+    from unittest import mock
+
+    from torch.distributed.checkpoint import filesystem
+
+    mesh = fs.Mesh(shard=2)
+    state = _state(mesh)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    patched = mock.patch.object(filesystem, "_write_item", no_space) if rank == 1 else None
+    try:
+        with patched or contextlib.nullcontext():
+            fs.checkpoint.save(path, state, step=1)
+        caught = ("no error", "")
+    except fs.checkpoint.CheckpointDiskFull as e:
+        caught = (type(e).__name__, str(e))
+    fs.checkpoint.save(path, state, step=2)
+    return (*caught, fs.checkpoint.load(path, like=(state, None))[2])
+
+
+def test_a_full_disk_on_one_rank_raises_on_every_rank_naming_the_directory(tmp_path):
+    for kind, message, step in testing.run(functools.partial(_save_on_a_full_disk, str(tmp_path))):
+        assert kind == "CheckpointDiskFull", message
+        assert step == 2  # the full disk's save left nothing loadable, nor ranks out of step
+        assert f"no space left writing '{tmp_path}" in message and "on ranks [1]" in message
+        assert re.search(r"This rank writes [\d,]+ bytes there, and its filesystem has", message)
