@@ -40,6 +40,7 @@ from funcshard.comm import _exchange as exchange
 from funcshard.comm import _failures as failures
 from funcshard.comm import _progress as progress
 from funcshard.comm import _streams as streams
+from funcshard.comm import _trail as trail
 
 _ops = torch.ops._c10d_functional
 
@@ -411,8 +412,9 @@ def _before(
     failures.check_in_step(op, what)
     chaos.point()
     failures.count_as_issued(op, group, tensor, what)
+    numel = tensor.numel() if agreed is None else agreed
+    trail.follow(op, numel, tensor.dtype, what)  # see [Note: the collectives' trail]
     if _recording:
-        numel = tensor.numel() if agreed is None else agreed
         entry = Record(op, tuple(dist.get_process_group_ranks(group)), numel, tensor.dtype)
         for log in _recording:
             log.append(entry)

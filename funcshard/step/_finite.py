@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from funcshard.comm import _collectives as collectives
+from funcshard.comm import _trail as trail
 from funcshard.core._groups import GroupView
 from funcshard.core._state import LocalGrads, ShardedGrads
 
@@ -84,16 +85,22 @@ class Verdict:
     gathered by a collective issued when the gradients were ready and waited for on first
     reading. Every rank reads the same flags, so every rank decides alike."""
 
-    def __init__(self, every: Tensor, names: list[str], ranks: list[int]) -> None:
-        self._every = every  # every rank's flags, in rank order
-        self.names, self.ranks = names, ranks
+    def __init__(
+        self, every: Tensor, names: list[str], ranks: list[int], trails: bool = False
+    ) -> None:
+        self._every = every  # every rank's flags (then its trail, with `trails`), in rank order
+        self.names, self.ranks, self._trails = names, ranks, trails
         self._rows: list[list[int]] | None = None
         self.acted = False  # an optimizer has decided on it (warned, or counted it finite)
 
     def rows(self) -> list[list[int]]:
         """Per rank: [loss not finite, then one flag per leaf]."""
         if self._rows is None:
-            self._rows = self._every.view(len(self.ranks), -1).tolist()
+            rows = self._every.view(len(self.ranks), -1).tolist()
+            if self._trails:
+                trail.check(self.ranks, [row[-2:] for row in rows])
+                rows = [row[:-2] for row in rows]
+            self._rows = rows
         return self._rows
 
     def finite(self) -> bool:
@@ -147,11 +154,14 @@ def issue(loss: Tensor | None, grads: ShardedGrads) -> Verdict | None:
         return None
     mesh = grads.layout.mesh
     flags = local_flags([None if loss is None else loss.detach(), *leaves], mesh.device)
+    # the collectives this rank issued since the last verdict: see [Note: the collectives'
+    # trail] in funcshard/comm/_trail.py
+    flags = torch.cat([flags, torch.tensor(trail.take(), dtype=torch.int64, device=mesh.device)])
     # waited for here: a collective left in flight when the gradients are dropped unread
     # would leave the ranks' exchanges out of step (on CUDA this waits on a stream, not the
     # host; the host reads the flags only when an optimizer asks)
     every = collectives.all_gather(flags, mesh.group, what="<non-finite check>").wait()
-    return Verdict(every, _names(grads), list(mesh.ranks))
+    return Verdict(every, _names(grads), list(mesh.ranks), trails=True)
 
 
 class _Skips:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from funcshard.comm import _exchange as exchange
 from funcshard.comm import _failures as failures
+from funcshard.comm import _trail as trail
 from funcshard.comm._mesh import shutdown
 
 
@@ -131,6 +132,7 @@ def _answer_probes(probe: Connection) -> None:
 
 def _run_task(rank: int, payload: bytes) -> bytes:
     failures.reset_issued()  # numbered per task, so the ranks' numbers compare
+    trail.forget()  # and their trails (see [Note: the collectives' trail])
     exchange.new_epoch()  # gloo exchanges tagged per task (see the function)
     try:
         result = _loads_task(payload)(rank)

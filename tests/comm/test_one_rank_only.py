@@ -4,6 +4,7 @@ timeout, naming the other rank and the call: no signal, no hang, no bare gloo er
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -99,3 +100,33 @@ def test_under_torchrun_a_forward_on_rank_0_only_raises_on_both_ranks():
         line = next(ln for ln in done.stdout.splitlines() if ln.startswith(f"RANK {rank} AFTER"))
         seconds = float(line.split()[3])
         _check(rank, line.split(" s: ", 1)[1].replace(" | ", "\n"), seconds, "forward")
+
+
+def _different_all_reduces_of_one_size(rank: int) -> tuple[str, bool]:
+    """Rank 0 all-reduces one tensor, rank 1 another of the same size: gloo pairs them
+    without a word. The step's end compares the ranks' trails and refuses the update."""
+    from funcshard.comm import _collectives as collectives
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    mesh = fs.Mesh(shard=2)
+    state = fs.shard(model, fs.plan(model), mesh)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    opt = fs.optim.sgd(0.1)
+    opt_state = opt.init(state)
+    before = fs.unshard(state)
+    collectives.all_reduce(torch.ones(5), mesh.group, what=f"metric of rank {rank}").wait()
+    try:
+        _, grads = fs.value_and_grad(lambda s: fs.call(model, s, x).square().mean())(state)
+        opt.step(grads, opt_state, state)
+    except fs.CollectiveError as e:
+        after = fs.unshard(state)
+        return str(e), all(torch.equal(before[k], after[k]) for k in before)
+    return "no error", False
+
+
+def test_ranks_whose_collectives_differ_only_in_what_they_carry_are_refused_at_the_step_end():
+    for rank, (message, intact) in enumerate(testing.run(_different_all_reduces_of_one_size)):
+        assert message.startswith(f"rank {rank}: the ranks issued different collectives"), message
+        assert re.search(r"ranks \[0\]: (\d+) collectives, checksum \w+; ranks \[1\]: \1 ", message)
+        assert "no update was applied" in message and intact

@@ -1,0 +1,80 @@
+"""A checksum of the collectives each rank issued since the last step's end, compared across
+ranks where a step already communicates: the non-finite check's all-gather.
+
+[Note: the collectives' trail]
+Ranks that issue different collectives of the same size pair them without a word on NCCL,
+and on gloo's all-reduces (the exchanges carry headers: see [Note: the exchange's header in
+its tag] in comm/_exchange.py): a DDP rank reducing one bucket while another reduces a
+bucket of the same size averages two different gradients. Comparing each collective first
+(`Mesh(check_collectives=True)`) costs a collective per collective. So, by default, each
+rank folds every eager collective it issues (its op, element count, dtype and unit; the
+count agreed where sizes differ by rank) into a running checksum, a multiply and a
+dictionary lookup per collective, and the step's verdict on non-finite values carries the
+checksum and the number of collectives since the last verdict (funcshard/step/_finite.py):
+at the step's end every rank sees every rank's trail, and ranks whose trails differ raise
+`CollectiveError` together before any update. It names the ranks and how many collectives
+each issued, not the first that differed (`check_collectives=True` does). On NCCL this is
+the cheap check beside the flight recorder: one all-gather of a few int64 per step, which
+the step issues anyway. Collectives inside compiled graphs are not followed (their
+bookkeeping is outside the graph), nor are collectives a rank issues over a group of one.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from funcshard.comm._failures import CollectiveError
+
+_MODULUS = 1 << 61
+_CODES: dict[tuple[str, int, torch.dtype, str | None], int] = {}
+
+
+class _Trail:
+    code = 0  # the running checksum
+    count = 0  # collectives folded in since the last `take`
+
+
+def follow(op: str, numel: int, dtype: torch.dtype, what: str | None) -> None:
+    """Fold one collective into this rank's trail."""
+    key = (op, numel, dtype, what)
+    code = _CODES.get(key)
+    if code is None:
+        code = _CODES[key] = zlib.crc32(f"{op}|{numel}|{dtype}|{what}".encode()) + 1
+    _Trail.code = (_Trail.code * 1_000_003 + code) % _MODULUS
+    _Trail.count += 1
+
+
+def take() -> tuple[int, int]:
+    """The trail since the last `take` (checksum, count), and a new one started."""
+    taken = (_Trail.code, _Trail.count)
+    forget()
+    return taken
+
+
+def forget() -> None:
+    """Start a new trail (a new task of the test runner, a new start)."""
+    _Trail.code = _Trail.count = 0
+
+
+def check(ranks: list[int], trails: list[list[int]]) -> None:
+    """Raise CollectiveError (on every rank: every rank reads the same trails) when the
+    ranks' trails (checksum, count) differ."""
+    if all(t == trails[0] for t in trails):
+        return
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank, t in zip(ranks, trails, strict=True):
+        groups.setdefault(tuple(t), []).append(rank)
+    told = "; ".join(
+        f"ranks {rs}: {t[1]} collectives, checksum {t[0]:x}" for t, rs in groups.items()
+    )
+    raise CollectiveError(
+        f"rank {dist.get_rank()}: the ranks issued different collectives in this step "
+        f"(compared at its end with the non-finite check: the op, size, dtype and unit of "
+        f"each): {told}. Collectives of equal sizes paired up, so this step's gradients may "
+        f"mix different tensors: no update was applied. A forward or a collective call on "
+        f"some ranks only (`if rank == 0:`) does this; Mesh(check_collectives=True) names "
+        f"the first collective that differs."
+    )
