@@ -1,0 +1,114 @@
+"""What the default non-finite check costs a step: `check_finite="skip"` (the default) against
+`"off"`, interleaved in one process, on the overhead matrix's fake group and on real gloo ranks.
+
+    python -m benchmarks.nonfinite [--rounds 30] [--gloo-rounds 12]
+
+The check is a sum over each gradient shard, one all-gather of (buffers + 3) int64 after the
+step's last reduction, and one read of the flags by the optimizer (see [Note: non-finite
+steps skipped by default] in funcshard/step/_finite.py). Both modes carry the same trail
+and gloo headers (free: see [Note: the collectives' trail], [Note: the exchange's header in
+its tag]). The fake group's cells are the overhead matrix's GPT rows (32 blocks, d 64,
+batch 1x16, one thread, `opt.step`); the gloo rows are benchmarks/training.py's 14M GPT on
+2 ranks. Medians of interleaved rounds; the ratio is skip / off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import funcshard as fs
+from benchmarks.common import interleaved_samples, lm_loss
+from benchmarks.training import CFG
+from funcshard import testing
+from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
+
+MODES = ("off", "skip")
+FAKE_MESHES = {"FSDP": (1, 8), "HSDP 2x4": (2, 4), "DDP": (8, 1)}
+
+
+def _steps(cfg: GPTConfig, mesh: fs.Mesh, batch: int, rank: int, replicate: bool) -> dict:
+    """One AdamW `opt.step` per mode on its own state, the same batch."""
+    x, y = random_tokens(cfg, batch, seed=rank)
+    steps = {}
+    for mode in MODES:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        if replicate:
+            state = fs.replicate(model, mesh)
+        else:
+            state = fs.shard(model, fs.plan(model, policy=fs.policy.module_classes({Block})), mesh)
+        opt = fs.optim.adamw(1e-3)
+        box = {"state": state, "opt": opt.init(state)}
+        grad_fn = fs.value_and_grad(
+            functools.partial(lambda m, s: lm_loss(fs.call(m, s, x), y), model), check_finite=mode
+        )
+
+        def step(box=box, grad_fn=grad_fn, opt=opt) -> None:
+            _, grads = grad_fn(box["state"])
+            box["state"], box["opt"] = opt.step(grads, box["opt"], box["state"])
+
+        steps[mode] = step
+    return steps
+
+
+def _row(where: str, samples: dict[str, list[float]]) -> list:
+    off, skip = (statistics.median(samples[m]) for m in MODES)
+    return [
+        where,
+        f"{off * 1e3:.2f}",
+        f"{skip * 1e3:.2f}",
+        f"{(skip - off) * 1e3:+.3f}",
+        f"{skip / off:.3f}x",
+    ]
+
+
+def fake_rows(rounds: int) -> list[list]:
+    """The overhead matrix's GPT cells (batch 1, one thread) on a fake group of 8."""
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=32, n_head=2, d_model=64)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = []
+        for name, (replicate, shard) in FAKE_MESHES.items():
+            mesh = fs.Mesh(replicate=replicate, shard=shard)
+            steps = _steps(cfg, mesh, 1, 0, replicate=shard == 1)
+            samples = interleaved_samples(steps, warmup=3, rounds=rounds, settle=1)
+            rows.append(_row(f"fake group of 8, {name}", samples))
+        return rows
+    finally:
+        torch.set_num_threads(threads)
+        dist.destroy_process_group()
+
+
+def _gloo_samples(rounds: int, rank: int) -> dict[str, list[float]]:
+    steps = _steps(CFG, fs.Mesh(shard=2), 2, rank, replicate=False)
+    return interleaved_samples(steps, warmup=2, rounds=rounds, settle=1)
+
+
+def gloo_row(rounds: int) -> list:
+    """benchmarks/training.py's 14M GPT on 2 gloo ranks, FSDP; each rank's medians averaged."""
+    per_rank = testing.run(functools.partial(_gloo_samples, rounds), world_size=2, timeout=1800)
+    samples = {m: [statistics.median(r[m]) for r in per_rank] for m in MODES}
+    return _row("2 gloo ranks, 14M GPT, FSDP", samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30, help="fake group rounds per cell")
+    parser.add_argument("--gloo-rounds", type=int, default=12)
+    args = parser.parse_args()
+    rows = [*fake_rows(args.rounds), gloo_row(args.gloo_rounds)]
+    headers = ["step", "off ms", "skip ms (default)", "skip - off ms", "skip / off"]
+    print(tabulate(rows, headers=headers, tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()
