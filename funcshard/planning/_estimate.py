@@ -105,6 +105,7 @@ class Estimate:
     shard: int
     phases: Phases = field(default_factory=lambda: Phases(0, 0, 0))
     activations: bool = False  # whether a dry run of the step counted them
+    checks: int = 0  # bytes the step's own checks send (the non-finite verdict's all-gather)
 
     @property
     def persistent(self) -> int:
@@ -120,7 +121,7 @@ class Estimate:
 
     @property
     def sent_per_step(self) -> int:
-        return sum(u.sent_per_step for u in self.units)
+        return sum(u.sent_per_step for u in self.units) + self.checks
 
     @property
     def peak(self) -> int:
@@ -249,7 +250,7 @@ def estimate(
         )  # fmt: skip
         assert model is not None  # checked above: loss_fn needs the model
         phases = dryrun.run_step(model, layout, replicate, shard, spec)
-        return Estimate(units, replicate, shard, phases, activations=True)
+        return Estimate(units, replicate, shard, phases, True, _checks(layout, replicate, shard))
     whole = bind(model, layout).whole_call if model is not None else None
     names = _names(plan)
     whole_units = {names[i] for i in whole} if whole is not None else {""}
@@ -259,7 +260,15 @@ def estimate(
         reshard=reshard_after_forward is not False and copies, prefetch=prefetch,
         copies=copies, shard=shard,
     )  # fmt: skip
-    return Estimate(units, replicate, shard, phases)
+    return Estimate(units, replicate, shard, phases, checks=_checks(layout, replicate, shard))
+
+
+def _checks(layout: Any, replicate: int, shard: int) -> int:
+    """What the default non-finite verdict sends per rank: its flags (one per buffer and
+    replicated parameter, the loss's, the collectives' trail: int64) to every other rank
+    (see [Note: non-finite steps skipped by default] in funcshard/step/_finite.py)."""
+    flags = len(layout.flats) + len(layout.replicated) + 3
+    return flags * 8 * (replicate * shard - 1)
 
 
 def _default_device() -> str:

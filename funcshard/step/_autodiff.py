@@ -141,9 +141,9 @@ def value_and_grad(
                 f"dict of tensors (a ShardedState with carry=), got {type(params).__name__}."
             )
         if checking == "raise":
-            finite.check(value[0] if has_aux else value, grads)
+            finite.check(value[0] if has_aux else value, grads, across_replicas=all_reduce)
         elif checking == "skip" and isinstance(grads, ShardedGrads):
-            verdict = finite.issue(value[0] if has_aux else value, grads)
+            verdict = finite.issue(value[0] if has_aux else value, grads, all_reduce)
             if verdict is not None:  # (None when traced)
                 grads = dataclasses.replace(grads, verdict=verdict)
         return (value, grads, new_carry) if carry is not None else (value, grads)

@@ -49,6 +49,7 @@ from torch import Tensor
 
 from funcshard.comm import _collectives as collectives
 from funcshard.comm import _exchange as exchange
+from funcshard.comm import _process_groups as process_groups
 from funcshard.comm import _trail as trail
 from funcshard.core._groups import GroupView
 from funcshard.core._state import LocalGrads, ShardedGrads
@@ -144,9 +145,12 @@ class Verdict:
         return Verdict(flags, self.names, self.ranks)
 
 
-def issue(loss: Tensor | None, grads: ShardedGrads) -> Verdict | None:
-    """Start deciding whether `loss` and `grads` are finite on every rank; None when the
-    step is being traced (see [Note: non-finite steps skipped by default])."""
+def issue(loss: Tensor | None, grads: ShardedGrads, across_replicas: bool = True) -> Verdict | None:
+    """Decide whether `loss` and `grads` are finite on every rank that reduced them
+    together: the whole mesh, or the shard axis alone when the replicas were not reduced
+    (`all_reduce=False`: HSDP accumulation, DiLoCo's inner steps, which must not talk
+    across replicas). None when the step is being traced (see [Note: non-finite steps
+    skipped by default])."""
     leaves = grads.leaves()
     tensors = [t for t in leaves if t is not None]
     if loss is not None:
@@ -161,10 +165,12 @@ def issue(loss: Tensor | None, grads: ShardedGrads) -> Verdict | None:
     # waited for here: a collective left in flight when the gradients are dropped unread
     # would leave the ranks' exchanges out of step (on CUDA this waits on a stream, not the
     # host; the host reads the flags only when an optimizer asks)
-    every = collectives.all_gather(flags, mesh.group, what="<non-finite check>").wait()
-    if exchange.backend_of(mesh.group) == "fake":  # (benchmarks: its collectives move no
-        every = flags.repeat(len(mesh.ranks))  # data, so every rank is taken to be this one)
-    return Verdict(every, _names(grads), list(mesh.ranks), trails=True)
+    group = mesh.group if across_replicas else mesh.shard_group
+    ranks = process_groups.group_ranks(group)
+    every = collectives.all_gather(flags, group, what="<non-finite check>").wait()
+    if exchange.backend_of(group) == "fake":  # (benchmarks: its collectives move no data,
+        every = flags.repeat(len(ranks))  # so every rank is taken to be this one)
+    return Verdict(every, _names(grads), ranks, trails=True)
 
 
 class _Skips:
@@ -260,7 +266,9 @@ def any_nonfinite(grads: Any) -> bool:
     return bool(bad.item() > 0)
 
 
-def check(loss: Tensor | None, grads: Any, where: str = "value_and_grad") -> None:
+def check(
+    loss: Tensor | None, grads: Any, where: str = "value_and_grad", across_replicas: bool = True
+) -> None:
     """Raise NonFiniteError on every rank if any rank's loss or gradients are not finite.
 
     The message names the ranks whose loss was not finite and, per unit, the ranks whose
@@ -269,11 +277,12 @@ def check(loss: Tensor | None, grads: Any, where: str = "value_and_grad") -> Non
     flags = local_flags([None if loss is None else loss.detach(), *_leaves(grads)])
     if isinstance(grads, ShardedGrads | LocalGrads):
         mesh = grads.layout.mesh
+        group = mesh.group if across_replicas else mesh.shard_group
         # the flags tensor itself is gathered, and read once: under torch.compile that is
         # one collective in the graph and one break, after it (see [Note: bookkeeping
         # outside compiled graphs] in funcshard/comm/_collectives.py)
-        every = collectives.all_gather(flags.to(mesh.device), mesh.group, what="<non-finite check>")
-        verdict = Verdict(every.wait(), _names(grads), list(mesh.ranks))
+        every = collectives.all_gather(flags.to(mesh.device), group, what="<non-finite check>")
+        verdict = Verdict(every.wait(), _names(grads), process_groups.group_ranks(group))
     else:
         verdict = Verdict(flags, _names(grads), [0])
     if verdict.finite():

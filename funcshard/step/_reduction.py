@@ -54,9 +54,9 @@ def reduce(
         return reduced
     grads = reduced[0] if isinstance(reduced, tuple) else reduced
     if checking == "raise":
-        finite.check(None, grads, "reduce")
+        finite.check(None, grads, "reduce", all_reduce)
         return reduced
-    verdict = finite.issue(None, grads)
+    verdict = finite.issue(None, grads, all_reduce)
     if verdict is not None:
         grads = dataclasses.replace(grads, verdict=verdict)
     return (grads, reduced[1]) if isinstance(reduced, tuple) else grads
