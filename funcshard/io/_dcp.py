@@ -93,7 +93,7 @@ def dcp_save(state_dict: dict[str, Any], directory: str, group: ProcessGroup | N
         }
         if not full:
             raise
-        code = next(iter(full.values())).errno
+        code = next(iter(full.values())).errno or errno.ENOSPC  # (in _FULL: never None)
         raise CheckpointDiskFull(
             code,
             f"funcshard.checkpoint.save: no space left writing {directory!r} on ranks "
