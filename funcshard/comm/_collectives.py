@@ -413,7 +413,7 @@ def _before(
     chaos.point()
     failures.count_as_issued(op, group, tensor, what)
     numel = tensor.numel() if agreed is None else agreed
-    trail.follow(op, numel, tensor.dtype, what)  # see [Note: the collectives' trail]
+    trail.follow(op, numel, tensor.dtype, what, group.group_name)  # [Note: the collectives' trail]
     if _recording:
         entry = Record(op, tuple(dist.get_process_group_ranks(group)), numel, tensor.dtype)
         for log in _recording:

@@ -238,13 +238,13 @@ def header(op: str, what: str | None, tensor: Tensor) -> int:
 _HEADERS: dict[tuple[str, str | None, int, torch.dtype], int] = {}
 
 
-def _next_tag(group: ProcessGroup, header: int) -> int:
+def _next_tag(group: ProcessGroup, checksum: int) -> int:
     counter = _TAGS.get(group.group_name)
     if counter is None:
         counter = _TAGS[group.group_name] = itertools.count()
     epoch = _epoch % (1 << _EPOCH_BITS)
     count = next(counter) % (1 << _COUNT_BITS)
-    return (epoch << _HEADER_BITS | header) << _COUNT_BITS | count
+    return (epoch << _HEADER_BITS | checksum) << _COUNT_BITS | count
 
 
 def new_epoch() -> None:

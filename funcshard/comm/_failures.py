@@ -224,7 +224,7 @@ def every_rank_calls(call: str, ranks: list[int]) -> Iterator[None]:
     except CollectiveError as e:
         raise CollectiveError(f"{e}\n{_alone_words(call)}") from e
     except Exception as e:
-        if not is_failure(e):
+        if isinstance(e, OSError) or not is_failure(e):  # (a disk's error is not a peer's)
             raise
         progress.Here.waiting = None
         others = progress.report(ranks, count_issued())
@@ -242,8 +242,8 @@ def every_rank_calls(call: str, ranks: list[int]) -> Iterator[None]:
 def _alone_words(call: str) -> str:
     return (
         f"This rank was inside {call}, which every rank of the mesh calls at the same point "
-        f"(not under `if rank == 0:`); a rank that calls it alone leaves the others waiting "
-        f"in their next collective."
+        f"(not under `if rank == 0:`): if the other ranks above are not inside it, this "
+        f"rank called it alone, and they wait in their next collective."
     )
 
 

@@ -124,7 +124,7 @@ def _write() -> None:
         "left": left,
         "since": Here.changed,
         "pid": os.getpid(),
-        "host": socket.gethostname(),
+        "host": _HOST,
     }
     with contextlib.suppress(Exception):  # the store went with the rank hosting it
         Here.store.set(_key(Here.rank), json.dumps(record))
@@ -176,12 +176,26 @@ def _where(store: Any, rank: int, count: int) -> str:
     return f"last collective {record['last']}{behind}; {state}"
 
 
+def _here() -> str:
+    """This machine and process-id namespace: a pid means the same process only where this
+    matches (containers on one host share its name, not their pids)."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return f"{socket.gethostname()}/{boot.read().strip()}/{namespace}"
+    except OSError:
+        return socket.gethostname()
+
+
+_HOST = _here()
+
+
 def _process_state(record: dict) -> str | None:
     """Why a rank on this host writes no more: its process "has exited (killed by a
     signal?)" or "is stopped (SIGSTOP, or a debugger)"; None when it runs, or runs on
-    another host (where only its record's age tells)."""
+    another host or in another pid namespace (where only its record's age tells)."""
     pid = record.get("pid")
-    if record.get("host") != socket.gethostname() or not isinstance(pid, int):
+    if record.get("host") != _HOST or not isinstance(pid, int):
         return None
     gone = "has exited (killed by a signal?)"
     try:

@@ -8,11 +8,14 @@ its tag] in comm/_exchange.py): a DDP rank reducing one bucket while another red
 bucket of the same size averages two different gradients. Comparing each collective first
 (`Mesh(check_collectives=True)`) costs a collective per collective. So, by default, each
 rank folds every eager collective it issues (its op, element count, dtype and unit; the
-count agreed where sizes differ by rank) into a running checksum, a multiply and a
-dictionary lookup per collective, and the step's verdict on non-finite values carries the
-checksum and the number of collectives since the last verdict (funcshard/step/_finite.py):
-at the step's end every rank sees every rank's trail, and ranks whose trails differ raise
-`CollectiveError` together before any update. It names the ranks and how many collectives
+count agreed where sizes differ by rank) into a running checksum of the collective's
+group, a multiply and two dictionary lookups per collective, and the step's verdict on
+non-finite values carries the checksum of the mesh's own groups (the whole mesh, its shard
+and replicate axes, in that order) and the number of their collectives since the last
+verdict (funcshard/step/_finite.py): at the step's end every rank sees every rank's trail,
+and ranks whose trails differ raise `CollectiveError` together before any update.
+Collectives over other groups (a metric over some of the ranks) are not compared: those
+groups' members differ from the mesh's. It names the ranks and how many collectives
 each issued, not the first that differed (`check_collectives=True` does). On NCCL this is
 the cheap check beside the flight recorder: one all-gather of a few int64 per step, which
 the step issues anyway. Collectives inside compiled graphs are not followed (their
@@ -32,31 +35,32 @@ _MODULUS = 1 << 61
 _CODES: dict[tuple[str, int, torch.dtype, str | None], int] = {}
 
 
-class _Trail:
-    code = 0  # the running checksum
-    count = 0  # collectives folded in since the last `take`
+_TRAILS: dict[str, tuple[int, int]] = {}  # group name -> (checksum, collectives)
 
 
-def follow(op: str, numel: int, dtype: torch.dtype, what: str | None) -> None:
-    """Fold one collective into this rank's trail."""
+def follow(op: str, numel: int, dtype: torch.dtype, what: str | None, group: str) -> None:
+    """Fold one collective over the group named `group` into its trail."""
     key = (op, numel, dtype, what)
     code = _CODES.get(key)
     if code is None:
         code = _CODES[key] = zlib.crc32(f"{op}|{numel}|{dtype}|{what}".encode()) + 1
-    _Trail.code = (_Trail.code * 1_000_003 + code) % _MODULUS
-    _Trail.count += 1
+    checksum, count = _TRAILS.get(group, (0, 0))
+    _TRAILS[group] = ((checksum * 1_000_003 + code) % _MODULUS, count + 1)
 
 
-def take() -> tuple[int, int]:
-    """The trail since the last `take` (checksum, count), and a new one started."""
-    taken = (_Trail.code, _Trail.count)
-    forget()
-    return taken
+def take(groups: list[str]) -> tuple[int, int]:
+    """The trail of these groups (the mesh's, in a fixed order of roles, each once) since
+    the last `take` of them: (checksum, collectives); theirs start anew."""
+    checksum, count = 0, 0
+    for group in dict.fromkeys(groups):
+        code, n = _TRAILS.pop(group, (0, 0))
+        checksum, count = (checksum * 1_000_003 + code) % _MODULUS, count + n
+    return checksum, count
 
 
 def forget() -> None:
-    """Start a new trail (a new task of the test runner, a new start)."""
-    _Trail.code = _Trail.count = 0
+    """Start every trail anew (a new task of the test runner, a new start)."""
+    _TRAILS.clear()
 
 
 def check(ranks: list[int], trails: list[list[int]]) -> None:

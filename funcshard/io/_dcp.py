@@ -98,8 +98,8 @@ def dcp_save(state_dict: dict[str, Any], directory: str, group: ProcessGroup | N
             code,
             f"funcshard.checkpoint.save: no space left writing {directory!r} on ranks "
             f"{sorted(full)} ({os.strerror(code)}). This rank writes {_local_bytes(state_dict):,} "
-            f"bytes there, and its filesystem has {_free_bytes(directory):,} bytes free. Free "
-            f"space, or pass keep=N to keep fewer checkpoints; nothing half-written is loaded.",
+            f"bytes there, and its filesystem has {_free_bytes(directory)} free. Free space, or "
+            f"pass keep=N to keep fewer checkpoints; nothing half-written is loaded.",
         ) from e
 
 
@@ -114,14 +114,15 @@ def _local_bytes(state_dict: dict[str, Any]) -> int:
     return total
 
 
-def _free_bytes(directory: str) -> int:
+def _free_bytes(directory: str) -> str:
+    """The free bytes of the filesystem `directory` is on, in words."""
     path = directory
     while path and not os.path.exists(path):
         path = os.path.dirname(path)
     try:
-        return shutil.disk_usage(path or ".").free
+        return f"{shutil.disk_usage(path or '.').free:,} bytes"
     except OSError:
-        return -1
+        return "an unknown number of bytes"
 
 
 class CheckpointReadError(RuntimeError):

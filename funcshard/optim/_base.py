@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,17 +39,25 @@ class Optimizer:
     update: Callable[..., tuple[Any, Any]]  # (grads, state, params, donate=False)
     fused_step: Callable[..., tuple[Any, Any] | None] | None = None  # None: not applicable
     skips_nonfinite: bool = False  # it decides on non-finite steps itself (skip_nonfinite)
+    # its non-finite steps skipped in a row (see funcshard/step/_finite.py)
+    _skips: finite.Skips = field(
+        default_factory=finite.Skips, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         update = warning_on_mixed_reductions(_accepting_donate(self.update))
         update = _recording_only_through_grads(_donating_its_state(update))
-        if not self.skips_nonfinite:
-            update = _skipping_nonfinite_steps(update)
+        if self.skips_nonfinite:
+            update = _claiming_the_verdict(update)
+        else:
+            update = _skipping_nonfinite_steps(update, self._skips)
         object.__setattr__(self, "update", update)
 
     def step(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
         """Update and apply, donating `grads`, `state` and `params` (see the class)."""
-        if not self.skips_nonfinite and finite.skip_this_step(grads):
+        if self.skips_nonfinite:
+            finite.claim(grads)
+        elif finite.skip_this_step(grads, self._skips):
             return params, state
         if self.fused_step is not None:
             done = self.fused_step(grads, state, params)
@@ -60,7 +68,9 @@ class Optimizer:
         return apply_updates(params, updates, donate=True), new_state
 
 
-def _skipping_nonfinite_steps(update: Callable[..., Any]) -> Callable[..., Any]:
+def _skipping_nonfinite_steps(
+    update: Callable[..., Any], skips: finite.Skips
+) -> Callable[..., Any]:
     """`update` that leaves out a step whose gradients' verdict says some rank's loss or
     gradients were not finite: no updates, the state as it was (see [Note: non-finite steps
     skipped by default] in funcshard/step/_finite.py)."""
@@ -68,13 +78,24 @@ def _skipping_nonfinite_steps(update: Callable[..., Any]) -> Callable[..., Any]:
         return update
 
     def wrapped(grads: Any, state: Any, params: Any, **kwargs: Any) -> Any:
-        if finite.skip_this_step(grads):
+        if finite.skip_this_step(grads, skips):
             return with_leaves(grads, [None] * len(grads.leaves())), state
         return update(grads, state, params, **kwargs)
 
     wrapped = functools.wraps(update)(wrapped)
     wrapped._skips_nonfinite_steps = True  # type: ignore[attr-defined]
     return wrapped
+
+
+def _claiming_the_verdict(update: Callable[..., Any]) -> Callable[..., Any]:
+    """`update` of an optimizer with a `skip_nonfinite` inside: it decides on the gradients'
+    verdict, so the optimizers it calls before reaching it do not warn or skip first."""
+
+    def wrapped(grads: Any, state: Any, params: Any, **kwargs: Any) -> Any:
+        finite.claim(grads)
+        return update(grads, state, params, **kwargs)
+
+    return functools.wraps(update)(wrapped)
 
 
 def _accepting_donate(update: Callable[..., Any]) -> Callable[..., Any]:

@@ -62,7 +62,8 @@ def chain(*optimizers: Optimizer) -> Optimizer:
         params, last = optimizers[-1].step(transformed, last, params)
         return params, ChainState(states=(*new_states, last))
 
-    return Optimizer(init, update, fused_step if optimizers else None)
+    skips = any(o.skips_nonfinite for o in optimizers)  # a skip_nonfinite inside decides
+    return Optimizer(init, update, fused_step if optimizers else None, skips_nonfinite=skips)
 
 
 def masked(optimizer: Optimizer, where: Where) -> Optimizer:
@@ -85,7 +86,7 @@ def masked(optimizer: Optimizer, where: Where) -> Optimizer:
         ]
         return _like(grads, chosen, donate), new_state
 
-    return Optimizer(optimizer.init, update)
+    return Optimizer(optimizer.init, update, skips_nonfinite=optimizer.skips_nonfinite)
 
 
 def _chosen(where: bool | Tensor, then: Tensor | None, otherwise: Tensor | None) -> Any:
@@ -101,7 +102,7 @@ def _chosen(where: bool | Tensor, then: Tensor | None, otherwise: Tensor | None)
 
 
 def skip_nonfinite(optimizer: Optimizer) -> Optimizer:
-    """Skip the step on every rank when any rank's gradients hold NaN or inf.
+    """Skip the step on every rank when any rank's loss or gradients hold NaN or inf.
 
     A skipped step returns None updates (the parameters stay as they are) and the wrapped
     state untouched, and counts itself in `opt_state.skipped`. All ranks decide together

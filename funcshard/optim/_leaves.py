@@ -45,7 +45,11 @@ def with_leaves(tree: Any, new: list[Any]) -> Any:
         shards, replicated = tuple(new[:n]), dict(zip(layout.replicated, new[n:], strict=True))
         if isinstance(tree, ShardedState):
             return tree.replace(shards=shards, replicated=replicated)
-        return ShardedGrads(shards=shards, layout=layout, replicated=replicated)
+        # the verdict stays with gradients transformed leaf by leaf (a clip, an unscale):
+        # see [Note: non-finite steps skipped by default] in funcshard/step/_finite.py
+        return ShardedGrads(
+            shards=shards, layout=layout, replicated=replicated, verdict=tree.verdict
+        )
     if isinstance(tree, GroupView):
         return GroupView(tuple(new), tree.layout, tree.parts)
     if isinstance(tree, Mapping):

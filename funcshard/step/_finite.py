@@ -28,11 +28,12 @@ Why an all-gather of its own rather than a trailer on the step's last reduction:
 reductions are issued by autograd's backward, one unit at a time, so the last one is known
 only after it has been issued, and a trailer element would change every gradient buffer's
 layout (a copy of each full gradient, or padding in every shard). The all-gather moves
-(leaves + 1) int64 per rank, after the step's last reduction; its cost is in
-benchmarks/RESULTS.md. The flags cost one pass over the local gradient shards: a sum per
-leaf, which is finite unless the leaf holds NaN or inf (or finite values whose sum
-overflows, so a leaf whose sum is not finite is then looked at element by element, and
-large finite gradients never count).
+(leaves + 3) int64 per rank (the loss's flag and the collectives' trail besides), after the
+step's last reduction; its cost is in benchmarks/RESULTS.md. The flags cost one pass over
+the local gradient shards. On the CPU it is a sum per leaf, finite unless the leaf holds
+NaN or inf or finite values whose sum overflows, so a leaf whose sum is not finite is then
+looked at element by element and large finite gradients never count; on a GPU (and when
+traced) every element is looked at on the device, which spares a host sync.
 
 Not covered yet: steps traced by torch.compile or `fs.trace` carry no verdict (a compiled
 step keeps the old unchecked default; `check_finite="raise"` breaks its graph where it reads
@@ -88,15 +89,27 @@ class Verdict:
     reading. Every rank reads the same flags, so every rank decides alike."""
 
     def __init__(
-        self, every: Tensor, names: list[str], ranks: list[int], trails: bool = False
+        self,
+        every: Tensor,
+        names: list[str],
+        ranks: list[int],
+        trails: bool = False,
+        scope: str = "every rank",
     ) -> None:
         self._every = every  # every rank's flags (then its trail, with `trails`), in rank order
         self.names, self.ranks, self._trails = names, ranks, trails
+        self.scope = scope  # who decides alike, in words
+        self._parts: tuple[Verdict, Verdict] | None = None  # of a merged verdict
         self._rows: list[list[int]] | None = None
         self.acted = False  # an optimizer has decided on it (warned, or counted it finite)
 
     def rows(self) -> list[list[int]]:
         """Per rank: [loss not finite, then one flag per leaf]."""
+        if self._rows is None and self._parts is not None:
+            a, b = (part.rows() for part in self._parts)
+            self._rows = [
+                [max(x, y) for x, y in zip(p, q, strict=True)] for p, q in zip(a, b, strict=True)
+            ]
         if self._rows is None:
             rows = self._every.view(len(self.ranks), -1).tolist()
             if self._trails:
@@ -137,12 +150,9 @@ class Verdict:
         was not."""
         if other is None:
             return self
-        rows = [
-            [max(a, b) for a, b in zip(x, y, strict=True)]
-            for x, y in zip(self.rows(), other.rows(), strict=True)
-        ]
-        flags = torch.tensor(rows, dtype=torch.int64)
-        return Verdict(flags, self.names, self.ranks)
+        merged = Verdict(self._every, self.names, self.ranks, scope=self.scope)
+        merged._parts = (self, other)  # read when the merged verdict first is (lazily: a
+        return merged  # micro-batch waits for no flags)
 
 
 def issue(loss: Tensor | None, grads: ShardedGrads, across_replicas: bool = True) -> Verdict | None:
@@ -161,7 +171,9 @@ def issue(loss: Tensor | None, grads: ShardedGrads, across_replicas: bool = True
     flags = local_flags([None if loss is None else loss.detach(), *leaves], mesh.device)
     # the collectives this rank issued since the last verdict: see [Note: the collectives'
     # trail] in funcshard/comm/_trail.py
-    flags = torch.cat([flags, torch.tensor(trail.take(), dtype=torch.int64, device=mesh.device)])
+    roles = [mesh.group, mesh.shard_group, mesh.replicate_group]
+    taken = trail.take([g.group_name for g in roles])
+    flags = torch.cat([flags, torch.tensor(taken, dtype=torch.int64, device=mesh.device)])
     # waited for here: a collective left in flight when the gradients are dropped unread
     # would leave the ranks' exchanges out of step (on CUDA this waits on a stream, not the
     # host; the host reads the flags only when an optimizer asks)
@@ -170,19 +182,38 @@ def issue(loss: Tensor | None, grads: ShardedGrads, across_replicas: bool = True
     every = collectives.all_gather(flags, group, what="<non-finite check>").wait()
     if exchange.backend_of(group) == "fake":  # (benchmarks: its collectives move no data,
         every = flags.repeat(len(ranks))  # so every rank is taken to be this one)
-    return Verdict(every, _names(grads), ranks, trails=True)
+    scope = "every rank" if across_replicas else _SHARD_AXIS
+    return Verdict(every, _names(grads), ranks, trails=True, scope=scope)
 
 
-class _Skips:
-    """Non-finite steps skipped in a row (reset by a finite one), in this process."""
+_SHARD_AXIS = (
+    "every rank of this replica's shard axis (each replica decides for itself: its "
+    "gradients were not reduced across replicas)"
+)
 
-    in_a_row = 0
+
+class Skips:
+    """One optimizer's non-finite steps skipped in a row (reset by a finite one)."""
+
+    __slots__ = ("in_a_row",)
+
+    def __init__(self) -> None:
+        self.in_a_row = 0
 
 
-def skip_this_step(grads: Any) -> bool:
+def claim(grads: Any) -> None:
+    """Mark the gradients' verdict as decided on by a `skip_nonfinite` inside the optimizer
+    being called (alone, or in a chain): the optimizers around it follow without a word."""
+    verdict = getattr(grads, "verdict", None)
+    if verdict is not None:
+        verdict.acted = True
+
+
+def skip_this_step(grads: Any, skips: Skips) -> bool:
     """Whether an optimizer handed `grads` must leave the step out: the gradients' verdict
-    says some rank's loss or gradients were not finite. Warns the first time a verdict is
-    read (every rank alike); raises NonFiniteError once too many steps in a row were."""
+    says some rank's loss or gradients were not finite. The first optimizer to read a
+    verdict acts on it: warns (every rank alike) and counts the skip in `skips`, raising
+    NonFiniteError once too many steps in a row were; the ones it calls only follow."""
     verdict = getattr(grads, "verdict", None)
     if verdict is None:
         return False
@@ -190,20 +221,20 @@ def skip_this_step(grads: Any) -> bool:
         return not verdict.finite()
     verdict.acted = True
     if verdict.finite():
-        _Skips.in_a_row = 0
+        skips.in_a_row = 0
         return False
-    _Skips.in_a_row += 1
-    if _Skips.in_a_row > MAX_CONSECUTIVE_SKIPS:
-        _Skips.in_a_row = 0
+    skips.in_a_row += 1
+    if skips.in_a_row > MAX_CONSECUTIVE_SKIPS:
+        skips.in_a_row = 0
         raise NonFiniteError(
             f"funcshard: {MAX_CONSECUTIVE_SKIPS + 1} steps in a row had NaN or inf, the last "
-            f"in {verdict.problems()}. Every rank raises together. Look at the data and the "
+            f"in {verdict.problems()}. Raised on {verdict.scope}. Look at the data and the "
             f"learning rate; torch.autograd.set_detect_anomaly(True) finds the op that made "
             f"them; funcshard.optim.skip_nonfinite(...) skips without limit."
         )
     warnings.warn(
-        f"funcshard: skipped this step on every rank (parameters and optimizer state "
-        f"unchanged; {_Skips.in_a_row} in a row, NonFiniteError after "
+        f"funcshard: skipped this step on {verdict.scope} (parameters and optimizer state "
+        f"unchanged; {skips.in_a_row} in a row, NonFiniteError after "
         f"{MAX_CONSECUTIVE_SKIPS}): NaN or inf in {verdict.problems()}. "
         f"value_and_grad(check_finite='raise') raises instead.",
         NonFiniteWarning,
@@ -217,12 +248,14 @@ def local_flags(tensors: list[Tensor | None], device: torch.device | None = None
 
     A sum per tensor is the cheap test: it is finite unless the tensor holds NaN or inf, or
     finite values whose sum overflows; a tensor whose sum is not finite is looked at element
-    by element, so large finite values never count. Traced, every element is looked at.
+    by element, so large finite values never count. Off the CPU and traced, every element is
+    looked at, on the device (no host decision, no sync).
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.int64, device=device)
     device = device or next((t.device for t in tensors if t is not None), torch.device("cpu"))
-    if collectives.tracing([t for t in tensors if t is not None]):  # no host decisions
+    exact = device.type != "cpu"  # no host decision off the CPU (a sync) nor when traced
+    if exact or collectives.tracing([t for t in tensors if t is not None]):
         return torch.stack(
             [
                 torch.zeros((), dtype=torch.bool, device=device)
@@ -254,8 +287,9 @@ def any_nonfinite(grads: Any) -> bool:
     a single integer over the whole mesh (none for a dict).
     """
     verdict = getattr(grads, "verdict", None)
-    if verdict is not None:
-        return any(any(row[1:]) for row in verdict.rows())
+    if verdict is not None:  # read, and acted on: the optimizers it wraps only follow
+        verdict.acted = True
+        return not verdict.finite()
     leaves = _leaves(grads)
     bad = local_flags(leaves).sum().reshape(1)
     if isinstance(grads, ShardedGrads | LocalGrads | GroupView):
@@ -282,14 +316,17 @@ def check(
         # one collective in the graph and one break, after it (see [Note: bookkeeping
         # outside compiled graphs] in funcshard/comm/_collectives.py)
         every = collectives.all_gather(flags.to(mesh.device), group, what="<non-finite check>")
-        verdict = Verdict(every.wait(), _names(grads), process_groups.group_ranks(group))
+        scope = "every rank" if across_replicas else _SHARD_AXIS
+        verdict = Verdict(
+            every.wait(), _names(grads), process_groups.group_ranks(group), scope=scope
+        )
     else:
         verdict = Verdict(flags, _names(grads), [0])
     if verdict.finite():
         return
     raise NonFiniteError(
         f"funcshard.{where}(check_finite='raise'): NaN or inf in {verdict.problems()}. "
-        f"Every rank raises together. To skip such steps instead, leave check_finite at its "
+        f"Raised on {verdict.scope}. To skip such steps instead, leave check_finite at its "
         f"default ('skip'); to find the op that made them, run with "
         f"torch.autograd.set_detect_anomaly(True)."
     )

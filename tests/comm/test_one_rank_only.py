@@ -130,3 +130,29 @@ def test_ranks_whose_collectives_differ_only_in_what_they_carry_are_refused_at_t
         assert message.startswith(f"rank {rank}: the ranks issued different collectives"), message
         assert re.search(r"ranks \[0\]: (\d+) collectives, checksum \w+; ranks \[1\]: \1 ", message)
         assert "no update was applied" in message and intact
+
+
+def _a_metric_over_some_ranks(rank: int) -> tuple[str, int]:
+    """Ranks 0 and 1 of 3 all-reduce a metric of their own between two steps: a correct
+    program, whose collectives over another group the mesh's trail leaves out."""
+    import torch.distributed as dist
+
+    from funcshard.comm import _collectives as collectives
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    state = fs.shard(model, fs.plan(model), fs.Mesh(shard=3))
+    pair = dist.new_group([0, 1])
+    opt = fs.optim.sgd(0.1)
+    opt_state = opt.init(state)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        _, grads = fs.value_and_grad(lambda s: fs.call(model, s, x).square().mean())(state)
+        state, opt_state = opt.step(grads, opt_state, state)
+        if rank < 2:
+            collectives.all_reduce(torch.ones(3), pair, what="pair metric").wait()
+    return "no error", int(opt_state.step)
+
+
+def test_a_collective_over_some_ranks_only_is_not_a_difference_in_the_mesh():
+    assert testing.run(_a_metric_over_some_ranks, world_size=3) == [("no error", 2)] * 3

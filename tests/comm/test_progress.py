@@ -177,7 +177,7 @@ def test_a_process_stopped_or_gone_is_named_as_such_not_by_its_lagging_record():
     collectives: the report says what became of its process instead (same host)."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        record = {"pid": child.pid, "host": progress.socket.gethostname()}
+        record = {"pid": child.pid, "host": progress._HOST}
         assert progress._process_state(record) is None  # running: its record speaks for it
         os.kill(child.pid, signal.SIGSTOP)
         time.sleep(0.2)

@@ -1,6 +1,10 @@
 """A rank killed mid-run: the demo resumes from its last checkpoint as if nothing happened,
 and under torchrun's elastic restarts the example recovers by itself."""
 
+import argparse
+import contextlib
+import functools
+import io
 import os
 import signal
 import subprocess
@@ -9,6 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from funcshard import testing
+from funcshard.cli import _demo as demo
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -69,19 +76,33 @@ def _outcome(out: str) -> tuple[str, str]:
     return summary.rsplit("->", 1)[1].strip(), out.split("sample:", 1)[1]
 
 
+def _quiet_rank(cfg: demo.DemoConfig, rank: int) -> dict:
+    """The demo's own rank function, its progress bar silenced."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return demo.train_rank(cfg, rank)
+
+
+def _uninterrupted(argv: list[str]) -> tuple[str, str]:
+    """The outcome `funcshard demo ARGV` prints (`_outcome`), from the demo's own rank function
+    run on the test's pool (the ranks `funcshard demo` runs, with the configuration its
+    command line gives), not from a process of its own."""
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    cfg = demo.from_arguments(parser.parse_args(argv))
+    reports = testing.run(functools.partial(_quiet_rank, cfg), world_size=cfg.nproc, timeout=300)
+    return f"{reports[0]['losses'][-1]:.3f}", f" {reports[0]['sample']!r}\n"
+
+
 def test_the_demo_killed_mid_run_resumes_and_ends_exactly_as_an_uninterrupted_run(tmp_path):
     """20 steps (it was 40): the kill comes once step 10 is committed, so the resumed run
     still trains 5-10 steps from the checkpoint before its last loss and sample are compared
     with the uninterrupted run's. Mutation check: resuming with a fresh optimizer state
-    (AdamW's moments and count not loaded) ends on another loss and sample, and fails."""
+    (AdamW's moments and count not loaded) ends on another loss and sample, and fails. The
+    uninterrupted run is the demo's rank function on the test's pool (`_uninterrupted`): a
+    third `funcshard demo` process would add an interpreter, a pool and the demo's parity
+    check (tests/cli/test_demo.py's) to the same numbers."""
     steps = ["--steps", "20", "--checkpoint-every", "5"]
-    whole = subprocess.run(
-        [*DEMO, *steps, "--checkpoint-dir", str(tmp_path / "whole")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert whole.returncode == 0, whole.stderr[-2000:]
+    whole = _uninterrupted([*DEMO[4:], *steps, "--checkpoint-dir", str(tmp_path / "whole")])
 
     directory = tmp_path / "killed"
     first = subprocess.Popen(
@@ -107,7 +128,7 @@ def test_the_demo_killed_mid_run_resumes_and_ends_exactly_as_an_uninterrupted_ru
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed from step {saved} " in again.stdout
     # the same final parameters: the same last loss and the same greedy sample
-    assert _outcome(again.stdout) == _outcome(whole.stdout)
+    assert _outcome(again.stdout) == whole
 
 
 def test_under_torchrun_elastic_restarts_a_killed_rank_is_recovered_from_the_checkpoint(tmp_path):

@@ -94,6 +94,20 @@ def _scenarios(mesh: str, rank: int) -> dict:
         model, skipping, state, skipping.init(state), _batch(rank, poison=rank == 1), True
     )
     out["skip_nonfinite"] = (_same(before, fs.unshard(state)), int(skip_state.skipped), said)
+    # ...also for an empty batch (a NaN loss, finite gradients), and inside a chain whose
+    # clip hands it the gradients' verdict
+    state = _state(mesh, model)
+    _, skip_state, said = _step(
+        model, skipping, state, skipping.init(state), _batch(rank, 0 if rank else 4), True
+    )
+    out["skip_nonfinite empty"] = (int(skip_state.skipped), said)
+    chained = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), skipping)
+    state = _state(mesh, model)
+    before = fs.unshard(state)
+    _, chain_state, said = _step(
+        model, chained, state, chained.init(state), _batch(rank, poison=rank == 1), False
+    )
+    out["chained"] = (_same(before, fs.unshard(state)), int(chain_state.states[1].skipped), said)
     # a finite step is taken, bitwise as with the check off: a batch of one row on rank 0
     results = []
     for check in ("skip", "off"):
@@ -115,7 +129,23 @@ def _scenarios(mesh: str, rank: int) -> dict:
         checked.verdict is not None and checked.verdict.finite(),
         all(torch.equal(a, b) for a, b in zip(checked.leaves(), unchecked.leaves(), strict=True)),
     )
+    # two reduced micro-batches summed, the second NaN on rank 1: the sum's verdict says so
+    state = _state(mesh, model)
+    before = fs.unshard(state)
+    grad_fn = fs.value_and_grad(functools.partial(_loss, model))
+    summed = fs.accumulate(
+        grad_fn(state, _batch(rank))[1], grad_fn(state, _batch(rank, poison=rank == 1))[1]
+    )
+    state, _, said = _step_with(opt, summed, state)
+    out["accumulated nan"] = (_same(before, fs.unshard(state)), len(said))
     return out
+
+
+def _step_with(opt, grads, state):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, opt_state = opt.step(grads, opt.init(state), state)
+    return state, opt_state, [w for w in caught if w.category is fs.NonFiniteWarning]
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
@@ -136,8 +166,11 @@ def test_a_bad_batch_on_one_rank_is_skipped_on_every_rank_and_named(mesh):
             "funcshard.value_and_grad(check_finite='raise'): NaN or inf in the loss on ranks [1]"
         ), out["raise"]
         assert out["skip_nonfinite"] == (True, 1, []), out["skip_nonfinite"]
+        assert out["skip_nonfinite empty"] == (1, []), out["skip_nonfinite empty"]
+        assert out["chained"] == (True, 1, []), out["chained"]
         assert out["one row"]
         assert out["accumulated"] == (True, True)
+        assert out["accumulated nan"] == (True, 1)
 
 
 def _too_many_in_a_row(rank: int) -> tuple[int, str]:
