@@ -273,11 +273,11 @@ def local_flags(tensors: list[Tensor | None], device: torch.device | None = None
     suspect = sums.isfinite().logical_not()
     if not bool(suspect.any()):
         return suspect.to(torch.int64)
-    exact = [
+    looked_at = [
         bool(s) and t is not None and not bool(t.detach().isfinite().all())
         for s, t in zip(suspect.tolist(), tensors, strict=True)
     ]
-    return torch.tensor(exact, dtype=torch.int64, device=device)
+    return torch.tensor(looked_at, dtype=torch.int64, device=device)
 
 
 def any_nonfinite(grads: Any) -> bool:
