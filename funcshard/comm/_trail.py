@@ -19,7 +19,9 @@ groups' members differ from the mesh's. It names the ranks and how many collecti
 each issued, not the first that differed (`check_collectives=True` does). On NCCL this is
 the cheap check beside the flight recorder: one all-gather of a few int64 per step, which
 the step issues anyway. Collectives inside compiled graphs are not followed (their
-bookkeeping is outside the graph), nor are collectives a rank issues over a group of one.
+bookkeeping is outside the graph), nor are collectives a rank issues over a group of one;
+and since a rank might run a step compiled while another runs it eagerly (a recompile
+limit reached on one rank), a trail that spans a call of `fs.compile` is not compared.
 """
 
 from __future__ import annotations
@@ -36,6 +38,17 @@ _CODES: dict[tuple[str, int, torch.dtype, str | None], int] = {}
 
 
 _TRAILS: dict[str, tuple[int, int]] = {}  # group name -> (checksum, collectives)
+UNKNOWN = -1  # a trail's checksum where a compiled call ran since the last `take`
+
+
+class _Compiled:
+    ran = False  # whether a compiled call ran since the last `take`
+
+
+def compiled_call() -> None:
+    """Note that a compiled call ran: its collectives were not followed, so the trail up to
+    the next `take` is not compared."""
+    _Compiled.ran = True
 
 
 def follow(op: str, numel: int, dtype: torch.dtype, what: str | None, group: str) -> None:
@@ -55,18 +68,22 @@ def take(groups: list[str]) -> tuple[int, int]:
     for group in dict.fromkeys(groups):
         code, n = _TRAILS.pop(group, (0, 0))
         checksum, count = (checksum * 1_000_003 + code) % _MODULUS, count + n
+    if _Compiled.ran:
+        _Compiled.ran = False
+        return UNKNOWN, count
     return checksum, count
 
 
 def forget() -> None:
     """Start every trail anew (a new task of the test runner, a new start)."""
     _TRAILS.clear()
+    _Compiled.ran = False
 
 
 def check(ranks: list[int], trails: list[list[int]]) -> None:
     """Raise CollectiveError (on every rank: every rank reads the same trails) when the
     ranks' trails (checksum, count) differ."""
-    if all(t == trails[0] for t in trails):
+    if all(t == trails[0] for t in trails) or any(t[0] == UNKNOWN for t in trails):
         return
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank, t in zip(ranks, trails, strict=True):

@@ -59,6 +59,7 @@ import torch
 
 from funcshard.comm import _failures as failures
 from funcshard.comm import _process_groups as process_groups
+from funcshard.comm import _trail as trail
 from funcshard.comm._failures import CollectiveError
 from funcshard.compiling import _compiled_schedule as compiled_schedule
 from funcshard.compiling._compiled_schedule import inductor_pass, schedule, tag
@@ -117,6 +118,7 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
         call = next(calls)
         before = _issued(state)
         failures.entering_compiled(name, call)
+        trail.compiled_call()  # see [Note: the collectives' trail] in comm/_trail.py
         try:
             try:
                 out = run(args, kwargs)
