@@ -1,18 +1,24 @@
-"""Launched by tests/comm/test_one_rank_only.py under torchrun: rank 0 makes a call alone
-(the test module's `on_rank_0_only`, CASE: forward, save or state_dict) while rank 1 goes on
-training; each rank prints the error it raised and when:
-`python -m torch.distributed.run --standalone --nproc-per-node 2 THIS CASE`."""
+"""Launched by tests/comm/test_one_rank_only.py under torchrun: rank 0 makes each call alone
+in turn (the test module's `every_case`: a forward, a save, a state dict) while rank 1 goes
+on training; each rank prints, per case, the error it raised and when:
+`python -m torch.distributed.run --standalone --nproc-per-node 2 THIS`."""
 
 import sys
 import tempfile
 from pathlib import Path
 
+import torch.distributed as dist
+
 import funcshard as fs
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "comm"))
-from test_one_rank_only import on_rank_0_only
+from test_one_rank_only import every_case
 
 mesh = fs.Mesh.from_env()
-message, seconds = on_rank_0_only(sys.argv[1], tempfile.mkdtemp(), mesh.shard_rank)
-one_line = message.replace("\n", " | ")
-print(f"RANK {mesh.shard_rank} AFTER {seconds:.1f} s: {one_line}", flush=True)
+for case, (message, seconds) in every_case(tempfile.mkdtemp(), mesh.shard_rank).items():
+    one_line = message.replace("\n", " | ")
+    print(f"RANK {mesh.shard_rank} {case} AFTER {seconds:.1f} s: {one_line}", flush=True)
+# stay until the other rank has reported too: it reads this rank's progress record
+store = dist.distributed_c10d._get_default_store()
+store.set(f"reported/{mesh.shard_rank}", "1")
+store.wait([f"reported/{1 - mesh.shard_rank}"])
