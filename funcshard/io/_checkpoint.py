@@ -347,18 +347,20 @@ def load(
     raises `CheckpointCorrupted` on every rank (see [Note: checkpoint integrity]). The mesh's
     first rank resolves LATEST once and holds the checkpoint against retirement while every
     rank reads it. Communicates: all-gathers of the directory, what the checks found and
-    the keys, DCP's collective load.
+    the keys, DCP's collective load; so every rank of the mesh calls it, at the same point
+    (see `save`).
     """
     state, opt_state = _unpack(like)
     rank_values.check_option(per_rank)
     group = state.layout.mesh.group
-    directory, held = open_checkpoint(os.fspath(path), group)
-    try:
-        if verify:
-            verified(directory, group)
-        return _read(directory, state, opt_state, per_rank)
-    finally:
-        checkpoint_dir.release(held)
+    with failures.every_rank_calls("funcshard.checkpoint.load", list(state.layout.mesh.ranks)):
+        directory, held = open_checkpoint(os.fspath(path), group)
+        try:
+            if verify:
+                verified(directory, group)
+            return _read(directory, state, opt_state, per_rank)
+        finally:
+            checkpoint_dir.release(held)
 
 
 def _unpack(like: Any) -> tuple[ShardedState, Any]:
