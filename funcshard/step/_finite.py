@@ -264,13 +264,11 @@ def local_flags(tensors: list[Tensor | None], device: torch.device | None = None
                 for t in tensors
             ]
         ).to(torch.int64)
-    sums = torch.stack(
-        [
-            torch.zeros((), device=device) if t is None else t.detach().sum().float().to(device)
-            for t in tensors
-        ]
-    )
-    suspect = sums.isfinite().logical_not()
+    with torch.no_grad():  # (one context, not a detach per tensor: this runs every step)
+        sums = [torch.zeros((), device=device) if t is None else t.sum() for t in tensors]
+        if any(x.dtype != torch.float32 or x.device != device for x in sums):
+            sums = [x.float().to(device) for x in sums]
+        suspect = torch.stack(sums).isfinite().logical_not()
     if not bool(suspect.any()):
         return suspect.to(torch.int64)
     looked_at = [
