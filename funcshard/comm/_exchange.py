@@ -225,17 +225,22 @@ def _timeout(group: ProcessGroup) -> timedelta:
 _TIMEOUTS: dict[str, timedelta] = {}
 
 
-def header(op: str, what: str | None, tensor: Tensor) -> int:
-    """The exchange's checksum of its op, unit, numel and dtype, the same on every rank."""
-    key = (op, what, tensor.numel(), tensor.dtype)
-    found = _HEADERS.get(key)
+def described(op: str, what: str | None, numel: int, dtype: torch.dtype) -> int:
+    """A collective's op, unit, element count and dtype as a 32-bit checksum, the same on
+    every rank (the exchange's header, and the collectives' trail in comm/_trail.py)."""
+    key = (op, what, numel, dtype)
+    found = _DESCRIBED.get(key)
     if found is None:
-        text = f"{op}|{what}|{key[2]}|{tensor.dtype}".encode()
-        found = _HEADERS[key] = zlib.crc32(text) % (1 << _HEADER_BITS)
+        found = _DESCRIBED[key] = zlib.crc32(f"{op}|{what}|{numel}|{dtype}".encode())
     return found
 
 
-_HEADERS: dict[tuple[str, str | None, int, torch.dtype], int] = {}
+_DESCRIBED: dict[tuple[str, str | None, int, torch.dtype], int] = {}
+
+
+def header(op: str, what: str | None, tensor: Tensor) -> int:
+    """The exchange's header: its description's checksum, cut to the tag's bits."""
+    return described(op, what, tensor.numel(), tensor.dtype) % (1 << _HEADER_BITS)
 
 
 def _next_tag(group: ProcessGroup, checksum: int) -> int:

@@ -26,15 +26,13 @@ limit reached on one rank), a trail that spans a call of `fs.compile` is not com
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.distributed as dist
 
+from funcshard.comm import _exchange as exchange
 from funcshard.comm._failures import CollectiveError
 
 _MODULUS = 1 << 61
-_CODES: dict[tuple[str, int, torch.dtype, str | None], int] = {}
 
 
 _TRAILS: dict[str, tuple[int, int]] = {}  # group name -> (checksum, collectives)
@@ -53,10 +51,7 @@ def compiled_call() -> None:
 
 def follow(op: str, numel: int, dtype: torch.dtype, what: str | None, group: str) -> None:
     """Fold one collective over the group named `group` into its trail."""
-    key = (op, numel, dtype, what)
-    code = _CODES.get(key)
-    if code is None:
-        code = _CODES[key] = zlib.crc32(f"{op}|{numel}|{dtype}|{what}".encode()) + 1
+    code = exchange.described(op, what, numel, dtype) + 1  # (+1: never a zero term)
     checksum, count = _TRAILS.get(group, (0, 0))
     _TRAILS[group] = ((checksum * 1_000_003 + code) % _MODULUS, count + 1)
 
