@@ -9,7 +9,6 @@ Eager and traced steps run this same code.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -140,12 +139,8 @@ def value_and_grad(
                 f"funcshard.value_and_grad: the first argument must be a ShardedState or a "
                 f"dict of tensors (a ShardedState with carry=), got {type(params).__name__}."
             )
-        if checking == "raise":
-            finite.check(value[0] if has_aux else value, grads, across_replicas=all_reduce)
-        elif checking == "skip" and isinstance(grads, ShardedGrads):
-            verdict = finite.issue(value[0] if has_aux else value, grads, all_reduce)
-            if verdict is not None:  # (None when traced)
-                grads = dataclasses.replace(grads, verdict=verdict)
+        loss = value[0] if has_aux else value
+        grads = finite.judged(loss, grads, checking, all_reduce, "value_and_grad")
         return (value, grads, new_carry) if carry is not None else (value, grads)
 
     return wrapped

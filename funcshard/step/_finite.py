@@ -42,6 +42,7 @@ the flags), and plain params dicts (single process) are checked only with "raise
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -174,16 +175,38 @@ def issue(loss: Tensor | None, grads: ShardedGrads, across_replicas: bool = True
     roles = [mesh.group, mesh.shard_group, mesh.replicate_group]
     taken = trail.take([g.group_name for g in roles])
     flags = torch.cat([flags, torch.tensor(taken, dtype=torch.int64, device=mesh.device)])
-    # waited for here: a collective left in flight when the gradients are dropped unread
-    # would leave the ranks' exchanges out of step (on CUDA this waits on a stream, not the
-    # host; the host reads the flags only when an optimizer asks)
+    return _gathered(flags, grads, across_replicas, trails=True)
+
+
+def _gathered(flags: Tensor, grads: Any, across_replicas: bool, trails: bool = False) -> Verdict:
+    """The verdict on every rank's `flags`, gathered over the ranks that reduced `grads`
+    together (the shard axis alone without `across_replicas`). The all-gather is waited
+    for here: a collective left in flight when the gradients are dropped unread would leave
+    the ranks' exchanges out of step (on CUDA this waits on a stream, not the host; the
+    host reads the flags only when they are asked for). Traced, it is one collective in
+    the graph (see [Note: bookkeeping outside compiled graphs] in comm/_collectives.py)."""
+    mesh = grads.layout.mesh
     group = mesh.group if across_replicas else mesh.shard_group
     ranks = process_groups.group_ranks(group)
+    flags = flags.to(mesh.device)
     every = collectives.all_gather(flags, group, what="<non-finite check>").wait()
     if exchange.backend_of(group) == "fake":  # (benchmarks: its collectives move no data,
         every = flags.repeat(len(ranks))  # so every rank is taken to be this one)
     scope = "every rank" if across_replicas else _SHARD_AXIS
-    return Verdict(every, _names(grads), ranks, trails=True, scope=scope)
+    return Verdict(every, _names(grads), ranks, trails=trails, scope=scope)
+
+
+def judged(loss: Tensor | None, grads: Any, policy: str, across_replicas: bool, where: str) -> Any:
+    """`grads` after the check `policy` asks for (see `policy`): "raise" raises here when
+    some rank's loss or gradients are not finite; "skip" gives sharded gradients their
+    verdict (none when traced); "off" leaves them alone."""
+    if policy == "raise":
+        check(loss, grads, where, across_replicas)
+    elif policy == "skip" and isinstance(grads, ShardedGrads):
+        verdict = issue(loss, grads, across_replicas)
+        if verdict is not None:
+            return dataclasses.replace(grads, verdict=verdict)
+    return grads
 
 
 _SHARD_AXIS = (
@@ -308,16 +331,8 @@ def check(
     """
     flags = local_flags([None if loss is None else loss.detach(), *_leaves(grads)])
     if isinstance(grads, ShardedGrads | LocalGrads):
-        mesh = grads.layout.mesh
-        group = mesh.group if across_replicas else mesh.shard_group
-        # the flags tensor itself is gathered, and read once: under torch.compile that is
-        # one collective in the graph and one break, after it (see [Note: bookkeeping
-        # outside compiled graphs] in funcshard/comm/_collectives.py)
-        every = collectives.all_gather(flags.to(mesh.device), group, what="<non-finite check>")
-        scope = "every rank" if across_replicas else _SHARD_AXIS
-        verdict = Verdict(
-            every.wait(), _names(grads), process_groups.group_ranks(group), scope=scope
-        )
+        # read once: under torch.compile, one collective in the graph and one break after it
+        verdict = _gathered(flags, grads, across_replicas)
     else:
         verdict = Verdict(flags, _names(grads), [0])
     if verdict.finite():

@@ -5,7 +5,6 @@ does. It writes none of its inputs.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -50,16 +49,10 @@ def reduce(
     """
     checking = finite.policy(check_finite, "reduce")
     reduced = _reduce(state, full_grads, divide_factor, all_reduce, comm, carry)
-    if checking == "off":
-        return reduced
-    grads = reduced[0] if isinstance(reduced, tuple) else reduced
-    if checking == "raise":
-        finite.check(None, grads, "reduce", all_reduce)
-        return reduced
-    verdict = finite.issue(None, grads, all_reduce)
-    if verdict is not None:
-        grads = dataclasses.replace(grads, verdict=verdict)
-    return (grads, reduced[1]) if isinstance(reduced, tuple) else grads
+    if isinstance(reduced, tuple):
+        grads, new_carry = reduced
+        return finite.judged(None, grads, checking, all_reduce, "reduce"), new_carry
+    return finite.judged(None, reduced, checking, all_reduce, "reduce")
 
 
 def _reduce(
