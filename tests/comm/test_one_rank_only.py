@@ -3,6 +3,7 @@ state dict under `if rank == 0:`) raises funcshard's error on every rank within 
 timeout, naming the other rank and the call: no signal, no hang, no bare gloo error."""
 
 import functools
+import json
 import os
 import re
 import subprocess
@@ -63,6 +64,7 @@ def every_case(directory: str, rank: int) -> dict[str, tuple[str, float]]:
 
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "torchrun_one_rank_only.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 CALLS = {
     "forward": None,
     "save": "funcshard.checkpoint.save",
@@ -86,16 +88,9 @@ def test_a_call_made_on_rank_0_only_raises_on_both_ranks_naming_it():
             _check(rank, message, seconds, case)
 
 
-def test_under_torchrun_each_call_on_rank_0_only_raises_on_both_ranks():
+def test_under_torchrun_each_call_on_rank_0_only_raises_on_both_ranks(tmp_path):
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            SCRIPT,
-        ],
+        [*TORCHRUN, str(SCRIPT), str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=180,
@@ -104,11 +99,10 @@ def test_under_torchrun_each_call_on_rank_0_only_raises_on_both_ranks():
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "SIG" not in out, out[-3000:]  # (torchrun names signals)
     for rank in (0, 1):
-        for case in CALLS:
-            start = f"RANK {rank} {case} AFTER "
-            line = next((ln for ln in done.stdout.splitlines() if ln.startswith(start)), out)
-            seconds = float(line[len(start) :].split()[0])
-            _check(rank, line.split(" s: ", 1)[1].replace(" | ", "\n"), seconds, case)
+        cases = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert list(cases) == list(CALLS), cases
+        for case, (message, seconds) in cases.items():
+            _check(rank, message, seconds, case)
 
 
 def _different_all_reduces_of_one_size(rank: int) -> tuple[str, bool]:

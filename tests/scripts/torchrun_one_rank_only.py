@@ -1,8 +1,10 @@
 """Launched by tests/comm/test_one_rank_only.py under torchrun: rank 0 makes each call alone
 in turn (the test module's `every_case`: a forward, a save, a state dict) while rank 1 goes
-on training; each rank prints, per case, the error it raised and when:
-`python -m torch.distributed.run --standalone --nproc-per-node 2 THIS`."""
+on training; each rank writes, per case, the error it raised and when, to OUT/rank<r>.json
+(a file per rank: two processes' prints can interleave within a line):
+`python -m torch.distributed.run --standalone --nproc-per-node 2 THIS OUT`."""
 
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -15,9 +17,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "comm"))
 from test_one_rank_only import every_case
 
 mesh = fs.Mesh.from_env()
-for case, (message, seconds) in every_case(tempfile.mkdtemp(), mesh.shard_rank).items():
-    one_line = message.replace("\n", " | ")
-    print(f"RANK {mesh.shard_rank} {case} AFTER {seconds:.1f} s: {one_line}", flush=True)
+cases = every_case(tempfile.mkdtemp(), mesh.shard_rank)
+(Path(sys.argv[1]) / f"rank{mesh.shard_rank}.json").write_text(json.dumps(cases))
 # stay until the other rank has reported too: it reads this rank's progress record
 store = dist.distributed_c10d._get_default_store()
 store.set(f"reported/{mesh.shard_rank}", "1")
