@@ -36,8 +36,9 @@ from funcshard.comm import _waits as waits
 AXES = mesh_groups.AXES
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # NCCL's own default; gloo's is 30 minutes
 MAX_TIMEOUT = timedelta(days=365)  # beyond it gloo's milliseconds overflow
-_RESOLVED_AT_INIT = ("shard_rank", "replicate_rank", "shard_group", "replicate_group")
-_PER_PROCESS = (*_RESOLVED_AT_INIT, "group")
+# every group a traced step may read (the non-finite check gathers over `group`)
+_RESOLVED_AT_INIT = ("shard_rank", "replicate_rank", "shard_group", "replicate_group", "group")
+_PER_PROCESS = _RESOLVED_AT_INIT
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ from funcshard.compiling import _compiled_schedule as compiled_schedule
 from funcshard.compiling._compiled_schedule import inductor_pass, schedule, tag
 from funcshard.core._state import ShardedState
 from funcshard.step import _compiled as compiled
+from funcshard.step import _finite as finite
 from funcshard.step import _host_memory as host_memory
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -77,8 +78,11 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
 
     Compiled once, a step is not recompiled by funcshard on later calls (clipping,
     `global_norm`, `pmean`, `check_finite` and a `Comm` included; see [Note: bookkeeping
-    outside compiled graphs]). Graph breaks: `value_and_grad(check_finite=True)` breaks
-    once, where every rank reads the gathered flags; a step whose model has
+    outside compiled graphs]). The default non-finite check does not break the graph: a
+    skipped step is a masked update, warned about when the call returns (see [Note: a
+    compiled step's skip is a masked update]). Graph breaks:
+    `value_and_grad(check_finite=True)` breaks once, where every rank reads the gathered
+    flags; a step whose model has
     activation-checkpointed modules that torch cannot recompute inside one graph (random
     ops in the recomputed region, e.g. attention or dropout) breaks at
     `torch.autograd.grad`, with the same results, and with `fullgraph=True` raises
@@ -105,7 +109,8 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
     joint = [False]  # see [Note: activation checkpointing in a compiled step]
 
     def run(args: tuple, kwargs: dict) -> Any:
-        with torch._dynamo.config.patch(trace_autograd_ops=not joint[0]), scheduling:
+        autograd_ops = torch._dynamo.config.patch(trace_autograd_ops=not joint[0])
+        with autograd_ops, scheduling, finite.read_after_the_call():
             return compiled(*args, **kwargs)
 
     @functools.wraps(fn)
@@ -140,6 +145,7 @@ def compile(fn: F | None = None, /, **options: Any) -> Any:
             failures.left_compiled(name, call, _count(before, _issued(state)))
         if state is not None:  # see [Note: host memory kept between steps]
             host_memory.keep_for(state.layout.mesh.device_type)
+        finite.read_compiled_verdicts()  # see [Note: a compiled step's skip is a masked update]
         return out
 
     return step

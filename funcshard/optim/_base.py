@@ -57,8 +57,16 @@ class Optimizer:
         """Update and apply, donating `grads`, `state` and `params` (see the class)."""
         if self.skips_nonfinite:
             finite.claim(grads)
-        elif finite.skip_this_step(grads, self._skips):
-            return params, state
+        else:
+            skip = finite.skip_this_step(grads, self._skips)
+            if isinstance(skip, Tensor):  # a compiled step: see finite.skip_this_step
+                updates, new_state = self.update(grads, state, params, donate=False)
+                new_state = finite.masked(skip, new_state, state)
+                _donate_state(state, new_state, "Optimizer.step")
+                updates = finite.masked_updates(skip, updates)
+                return apply_updates(params, updates, donate=True), new_state
+            if skip:
+                return params, state
         if self.fused_step is not None:
             done = self.fused_step(grads, state, params)
             if done is not None:
@@ -78,7 +86,11 @@ def _skipping_nonfinite_steps(
         return update
 
     def wrapped(grads: Any, state: Any, params: Any, **kwargs: Any) -> Any:
-        if finite.skip_this_step(grads, skips):
+        skip = finite.skip_this_step(grads, skips)
+        if isinstance(skip, Tensor):  # a compiled step: see finite.skip_this_step
+            updates, new_state = update(grads, state, params, **{**kwargs, "donate": False})
+            return finite.masked_updates(skip, updates), finite.masked(skip, new_state, state)
+        if skip:
             return with_leaves(grads, [None] * len(grads.leaves())), state
         return update(grads, state, params, **kwargs)
 

@@ -35,19 +35,38 @@ NaN or inf or finite values whose sum overflows, so a leaf whose sum is not fini
 looked at element by element and large finite gradients never count; on a GPU (and when
 traced) every element is looked at on the device, which spares a host sync.
 
-Not covered yet: steps traced by torch.compile or `fs.trace` carry no verdict (a compiled
-step keeps the old unchecked default; `check_finite="raise"` breaks its graph where it reads
-the flags), and plain params dicts (single process) are checked only with "raise".
+[Note: a compiled step's skip is a masked update]
+A step `fs.compile` traces cannot decide on the host without breaking its graph (and
+`fullgraph=True` forbids the break). So, traced, the flags are computed on the device and
+gathered by the same all-gather, now a node of the graph, and the verdict holds that node:
+the first optimizer to read it computes the step as usual (without donating its state) and
+then keeps, leaf by leaf, the new optimizer state where every flag is clear and the old one
+where not (`torch.where` on a boolean tensor: no host read), and adds updates masked to
+zero, so a skipped step leaves parameters and state as they were on every rank. It also
+stores the gathered flags on its `Skips` (an attribute store dynamo replays after the
+graph runs, the flags one more output of it); `fs.compile`'s wrapper reads them when the
+call returns (`read_compiled_verdicts`) and warns, counts and raises as an eager step would
+(off the CPU: it starts a copy to the host and reads it at the next call, so no step waits
+on the device for its own flags). The cost over an unchecked compiled step: the flags, the
+all-gather, and one select per state leaf, which the compiler fuses into the update.
+Under plain torch.compile nothing would read the stored flags, so the optimizer reads them
+where it is, eagerly, as "raise" does (one graph break). Steps traced by `fs.trace`
+(make_fx) carry no verdict: their graph is run by the user, and no wrapper reads it.
+Plain params dicts (single process) are checked only with "raise".
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as torch_pytree
 
 from funcshard.comm import _collectives as collectives
 from funcshard.comm import _exchange as exchange
@@ -96,10 +115,12 @@ class Verdict:
         ranks: list[int],
         trails: bool = False,
         scope: str = "every rank",
+        traced: bool = False,
     ) -> None:
         self._every = every  # every rank's flags (then its trail, with `trails`), in rank order
         self.names, self.ranks, self._trails = names, ranks, trails
         self.scope = scope  # who decides alike, in words
+        self.traced = traced  # `_every` is a node of a graph being compiled: never read here
         self._parts: tuple[Verdict, Verdict] | None = None  # of a merged verdict
         self._rows: list[list[int]] | None = None
         self.acted = False  # an optimizer has decided on it (warned, or counted it finite)
@@ -121,6 +142,12 @@ class Verdict:
 
     def finite(self) -> bool:
         return not any(any(row) for row in self.rows())
+
+    def ok(self) -> Tensor:
+        """Whether every rank's flags are clear, as a boolean tensor: what a traced step
+        decides on without reading anything on the host (see [Note: a compiled step's
+        skip is a masked update])."""
+        return self._every.eq(0).all()
 
     def problems(self) -> str:
         """Where the NaN or inf were, the same words on every rank."""
@@ -151,6 +178,9 @@ class Verdict:
         was not."""
         if other is None:
             return self
+        if self.traced:  # (both are: one step is traced as a whole)
+            every = torch.maximum(self._every, other._every)
+            return Verdict(every, self.names, self.ranks, scope=self.scope, traced=True)
         merged = Verdict(self._every, self.names, self.ranks, scope=self.scope)
         merged._parts = (self, other)  # read when the merged verdict first is (lazily: a
         return merged  # micro-batch waits for no flags)
@@ -160,15 +190,18 @@ def issue(loss: Tensor | None, grads: ShardedGrads, across_replicas: bool = True
     """Decide whether `loss` and `grads` are finite on every rank that reduced them
     together: the whole mesh, or the shard axis alone when the replicas were not reduced
     (`all_reduce=False`: HSDP accumulation, DiLoCo's inner steps, which must not talk
-    across replicas). None when the step is being traced (see [Note: non-finite steps
-    skipped by default])."""
+    across replicas). Traced by dynamo, a verdict to mask with (see [Note: a compiled
+    step's skip is a masked update]); None under make_fx."""
     leaves = grads.leaves()
     tensors = [t for t in leaves if t is not None]
     if loss is not None:
         tensors.append(loss)
-    if collectives.tracing(tensors):
-        return None
     mesh = grads.layout.mesh
+    if collectives.tracing(tensors):
+        if not torch.compiler.is_dynamo_compiling():
+            return None  # make_fx (fs.trace): nothing would read the flags on the host
+        flags = local_flags([None if loss is None else loss.detach(), *leaves], mesh.device)
+        return _gathered(flags, grads, across_replicas, traced=True)
     flags = local_flags([None if loss is None else loss.detach(), *leaves], mesh.device)
     # the collectives this rank issued since the last verdict: see [Note: the collectives'
     # trail] in funcshard/comm/_trail.py
@@ -178,7 +211,9 @@ def issue(loss: Tensor | None, grads: ShardedGrads, across_replicas: bool = True
     return _gathered(flags, grads, across_replicas, trails=True)
 
 
-def _gathered(flags: Tensor, grads: Any, across_replicas: bool, trails: bool = False) -> Verdict:
+def _gathered(
+    flags: Tensor, grads: Any, across_replicas: bool, trails: bool = False, traced: bool = False
+) -> Verdict:
     """The verdict on every rank's `flags`, gathered over the ranks that reduced `grads`
     together (the shard axis alone without `across_replicas`). The all-gather is waited
     for here: a collective left in flight when the gradients are dropped unread would leave
@@ -193,7 +228,7 @@ def _gathered(flags: Tensor, grads: Any, across_replicas: bool, trails: bool = F
     if exchange.backend_of(group) == "fake":  # (benchmarks: its collectives move no data,
         every = flags.repeat(len(ranks))  # so every rank is taken to be this one)
     scope = "every rank" if across_replicas else _SHARD_AXIS
-    return Verdict(every, _names(grads), ranks, trails=trails, scope=scope)
+    return Verdict(every, _names(grads), ranks, trails=trails, scope=scope, traced=traced)
 
 
 def judged(loss: Tensor | None, grads: Any, policy: str, across_replicas: bool, where: str) -> Any:
@@ -216,12 +251,32 @@ _SHARD_AXIS = (
 
 
 class Skips:
-    """One optimizer's non-finite steps skipped in a row (reset by a finite one)."""
-
-    __slots__ = ("in_a_row",)
+    """One optimizer's non-finite steps skipped in a row (reset by a finite one), and the
+    flags its compiled steps left for the host to read (see [Note: a compiled step's skip
+    is a masked update])."""
 
     def __init__(self) -> None:
         self.in_a_row = 0
+        self.pending: Tensor | None = None  # set by a compiled step (dynamo replays the store)
+        self.about: tuple = ()  # (names, ranks, scope) of the pending flags
+        self._unread: list[tuple[Tensor, Any, tuple]] = []  # copied to the host, in order
+        _EVERY_SKIPS.add(self)
+
+
+_EVERY_SKIPS: weakref.WeakSet[Skips] = weakref.WeakSet()
+_READ_AFTER_COMPILED_CALL = [False]  # inside `fs.compile`, which reads the flags after the call
+
+
+@contextlib.contextmanager
+def read_after_the_call() -> Iterator[None]:
+    """The compiled call `fs.compile` runs inside this: its steps mask their skips and
+    leave the flags for `read_compiled_verdicts`; under plain torch.compile, nothing would
+    read them, so the optimizer reads them there, breaking the graph."""
+    _READ_AFTER_COMPILED_CALL[0] = True
+    try:
+        yield
+    finally:
+        _READ_AFTER_COMPILED_CALL[0] = False
 
 
 def claim(grads: Any) -> None:
@@ -232,17 +287,33 @@ def claim(grads: Any) -> None:
         verdict.acted = True
 
 
-def skip_this_step(grads: Any, skips: Skips) -> bool:
+def skip_this_step(grads: Any, skips: Skips) -> bool | Tensor:
     """Whether an optimizer handed `grads` must leave the step out: the gradients' verdict
     says some rank's loss or gradients were not finite. The first optimizer to read a
     verdict acts on it: warns (every rank alike) and counts the skip in `skips`, raising
-    NonFiniteError once too many steps in a row were; the ones it calls only follow."""
+    NonFiniteError once too many steps in a row were; the ones it calls only follow.
+
+    In a compiled step the answer is a boolean tensor, True where the step may go on: the
+    first optimizer masks its results with it and the host reads the flags after the
+    compiled call (`read_compiled_verdicts`); the ones it calls go on unmasked."""
     verdict = getattr(grads, "verdict", None)
     if verdict is None:
         return False
+    if verdict.traced and _READ_AFTER_COMPILED_CALL[0]:
+        if verdict.acted:
+            return False
+        verdict.acted = True
+        skips.pending, skips.about = verdict._every, (verdict.names, verdict.ranks, verdict.scope)
+        return verdict.ok()
     if verdict.acted:
         return not verdict.finite()
     verdict.acted = True
+    return _skipped(verdict, skips, stacklevel=4)
+
+
+def _skipped(verdict: Verdict, skips: Skips, stacklevel: int) -> bool:
+    """Count a verdict in `skips`: False for a finite step; True, with a warning, for a
+    non-finite one; NonFiniteError for one too many in a row."""
     if verdict.finite():
         skips.in_a_row = 0
         return False
@@ -261,9 +332,56 @@ def skip_this_step(grads: Any, skips: Skips) -> bool:
         f"{MAX_CONSECUTIVE_SKIPS}): NaN or inf in {verdict.problems()}. "
         f"value_and_grad(check_finite='raise') raises instead.",
         NonFiniteWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
     return True
+
+
+def masked(ok: Tensor, new: Any, old: Any) -> Any:
+    """`new` where `ok`, else `old`: each tensor of two pytrees of one structure (a state,
+    an optimizer state), chosen on the device without reading `ok`."""
+
+    def choose(n: Any, o: Any) -> Any:
+        if isinstance(n, Tensor) and isinstance(o, Tensor) and n.shape == o.shape:
+            return torch.where(ok, n, o)
+        return n
+
+    return torch_pytree.tree_map(choose, new, old)
+
+
+def masked_updates(ok: Tensor, updates: Any) -> Any:
+    """`updates` where `ok`, else zero: a skipped step's updates move nothing."""
+    return torch_pytree.tree_map(
+        lambda u: torch.where(ok, u, torch.zeros_like(u)) if isinstance(u, Tensor) else u,
+        updates,
+    )
+
+
+def read_compiled_verdicts(stacklevel: int = 3) -> None:
+    """Act on the flags compiled steps left since the last call: warn, count, raise as an
+    eager step would (see [Note: a compiled step's skip is a masked update]). Off the CPU
+    the flags are copied without waiting and read once the copy is done (by a later
+    call, at the latest the next)."""
+    for skips in list(_EVERY_SKIPS):
+        if skips.pending is not None:
+            every = skips.pending
+            if every.device.type == "cpu":
+                skips._unread.append((every, None, skips.about))
+            else:
+                event = torch.cuda.Event() if every.device.type == "cuda" else None
+                every = every.to("cpu", non_blocking=event is not None)
+                if event is not None:
+                    event.record()
+                skips._unread.append((every, event, skips.about))
+            skips.pending = None
+        while skips._unread:
+            every, event, (names, ranks, scope) = skips._unread[0]
+            if event is not None and not event.query() and len(skips._unread) == 1:
+                break  # read at the next call
+            if event is not None:
+                event.synchronize()
+            skips._unread.pop(0)
+            _skipped(Verdict(every, names, ranks, scope=scope), skips, stacklevel)
 
 
 def local_flags(tensors: list[Tensor | None], device: torch.device | None = None) -> Tensor:

@@ -56,6 +56,11 @@ def _step(model, opt, state, opt_state, x, fused: bool, **options):
     return state, opt_state, [str(w.message) for w in caught if w.category is fs.NonFiniteWarning]
 
 
+def _copy(params: dict) -> dict:
+    """A copy (a replicated state's unshard hands out the parameters an update writes into)."""
+    return {k: v.clone() for k, v in params.items()}
+
+
 def _same(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
@@ -68,7 +73,7 @@ def _scenarios(mesh: str, rank: int) -> dict:
         for fused in (True, False):
             state = _state(mesh, model)
             opt_state = opt.init(state)
-            before = fs.unshard(state)
+            before = _copy(fs.unshard(state))
             state, new_opt_state, said = _step(
                 model, opt, state, opt_state, _batch(rank, rows, poison), fused
             )
@@ -89,7 +94,7 @@ def _scenarios(mesh: str, rank: int) -> dict:
     # skip_nonfinite as before: counts the skip, says nothing
     skipping = fs.optim.skip_nonfinite(opt)
     state = _state(mesh, model)
-    before = fs.unshard(state)
+    before = _copy(fs.unshard(state))
     state, skip_state, said = _step(
         model, skipping, state, skipping.init(state), _batch(rank, poison=rank == 1), True
     )
@@ -103,7 +108,7 @@ def _scenarios(mesh: str, rank: int) -> dict:
     out["skip_nonfinite empty"] = (int(skip_state.skipped), said)
     chained = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), skipping)
     state = _state(mesh, model)
-    before = fs.unshard(state)
+    before = _copy(fs.unshard(state))
     _, chain_state, said = _step(
         model, chained, state, chained.init(state), _batch(rank, poison=rank == 1), False
     )
@@ -131,7 +136,7 @@ def _scenarios(mesh: str, rank: int) -> dict:
     )
     # two reduced micro-batches summed, the second NaN on rank 1: the sum's verdict says so
     state = _state(mesh, model)
-    before = fs.unshard(state)
+    before = _copy(fs.unshard(state))
     grad_fn = fs.value_and_grad(functools.partial(_loss, model))
     summed = fs.accumulate(
         grad_fn(state, _batch(rank))[1], grad_fn(state, _batch(rank, poison=rank == 1))[1]
