@@ -111,13 +111,13 @@ def bytes_sent(records: list[Record]) -> int:
 def record() -> Iterator[list[Record]]:
     """Collect every collective issued inside the block (size-1 groups issue none), eagerly
     or under make_fx; not those inside a torch.compile'd graph (see [Note: bookkeeping
-    outside compiled graphs])."""
+    outside compiled graphs]). Blocks nest: each collects what was issued inside it."""
     log: list[Record] = []
     _recording.append(log)
     try:
         yield log
-    finally:
-        _recording.remove(log)
+    finally:  # by identity: a nested block's log equals its outer one's (the same records)
+        del _recording[next(i for i, kept in enumerate(_recording) if kept is log)]
 
 
 class Pending:
@@ -127,7 +127,7 @@ class Pending:
     `exchange.Exchange` (see [Note: eager collectives through Work objects]);
     without one, `tensor` came from a functional op (traced) and `wait_tensor` waits for it."""
 
-    __slots__ = ("_done", "_group", "_input", "_op", "_tensor", "_what", "_work")
+    __slots__ = ("_done", "_group", "_input", "_op", "_post", "_tensor", "_what", "_work")
 
     def __init__(
         self,
@@ -138,9 +138,11 @@ class Pending:
         what: str | None = None,
         work: dist.Work | exchange.Exchange | None = None,
         input: Tensor | None = None,
+        post: float | None = None,
     ) -> None:
         self._tensor = tensor
         self._done = done
+        self._post = post  # the divisor left for after the sum (see [Note: fp16 means])
         self._op, self._group, self._what = op, group, what
         self._work = work
         self._input = input  # held until the wait (see [Note: collectives on their own
@@ -148,6 +150,7 @@ class Pending:
 
     def wait(self) -> Tensor:
         if not self._done:
+            eager = self._work is not None
             try:  # a collective's failure (timeout, a peer gone) surfaces here
                 if self._work is not None:
                     chaos.point()  # eager only: see [Note: bookkeeping outside compiled graphs]
@@ -160,6 +163,10 @@ class Pending:
                         self._tensor = _ops.wait_tensor(self._tensor)
             except RuntimeError as e:
                 raise failures.failed(self._op, self._group, self._what, e) from e
+            if self._post is not None:  # (eagerly the result is ours: divided in place)
+                with _below_autograd():
+                    post = self._post
+                    self._tensor = self._tensor.div_(post) if eager else self._tensor.div(post)
             self._done = True
         return self._tensor
 
@@ -213,19 +220,54 @@ def reduce_scatter(
         return Pending(flat, done=True)
     _before("reduce_scatter", group, flat, what)
     eager = _eager(flat)
+    flat, op, post = _fp16_mean(flat, op, group.size(), owned)
+    owned = owned or post is not None
     work: dist.Work | exchange.Exchange
     if eager and exchange.is_gloo(group):
         with _below_autograd():
             out, work = exchange.reduce_scatter(flat if owned else flat.clone(), group, op, what)
-        return Pending(out, op="reduce_scatter", group=group, what=what, work=work)
+        return Pending(out, op="reduce_scatter", group=group, what=what, work=work, post=post)
     if eager:
         out = flat.new_empty(flat.numel() // group.size())  # on the compute stream
         with _below_autograd(), streams.on_stream("reduce_scatter", flat.device):
             work = group._reduce_scatter_base(_real(out), _real(flat), _REDUCE_SCATTER_OPTIONS[op])
-        return Pending(out, op="reduce_scatter", group=group, what=what, work=work, input=flat)
+        return Pending(
+            out, op="reduce_scatter", group=group, what=what, work=work, input=flat, post=post
+        )
     with _below_autograd():
         out = _ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name)
-    return Pending(out, op="reduce_scatter", group=group, what=what)
+    return Pending(out, op="reduce_scatter", group=group, what=what, post=post)
+
+
+# [Note: fp16 means]
+# fp16 holds magnitudes up to 65504 and loses precision below 6.1e-5 (subnormals), so a
+# mean of fp16 gradients is taken as FSDP2 takes it: each rank's values divided by a power
+# of two near the square root of the group's size before the sum, the rest after it, so the
+# sum neither overflows at large world sizes nor the small values lose more bits than they
+# must. bf16 and fp32 have fp32's range: their means stay one reduction "avg" (sum, then
+# divide), bitwise as before.
+
+
+def fp16_divisors(size: int) -> tuple[int, float]:
+    """(before, after) the sum of a mean over `size` fp16 tensors: `before` doubles from 1
+    while it divides `size` and its square stays below `size`; `after` is the rest."""
+    before = 1
+    while size % before == 0 and before * before < size:
+        before *= 2
+    return before, size / before
+
+
+def _fp16_mean(
+    tensor: Tensor, op: str, size: int, owned: bool = False
+) -> tuple[Tensor, str, float | None]:
+    """An fp16 mean as a sum of divided values: (what to reduce, the op, the divisor left
+    for after the reduction); anything else as it is (see [Note: fp16 means])."""
+    if op != "avg" or tensor.dtype != torch.float16:
+        return tensor, op, None
+    before, after = fp16_divisors(size)
+    with _below_autograd():
+        divided = tensor.div_(before) if owned else tensor.div(before)
+    return divided, "sum", after if after != 1 else None
 
 
 # [Note: eager collectives through Work objects]
@@ -267,6 +309,8 @@ for _name, _op in (("avg", dist.ReduceOp.AVG), ("sum", dist.ReduceOp.SUM)):
     _ALL_REDUCE_OPTIONS[_name].reduceOp = dist.ReduceOp(_op)
     _REDUCE_SCATTER_OPTIONS[_name] = dist.ReduceScatterOptions()
     _REDUCE_SCATTER_OPTIONS[_name].reduceOp = dist.ReduceOp(_op)
+_ALL_REDUCE_OPTIONS["max"] = dist.AllreduceOptions()  # (an inf-norm's: all-reduce only)
+_ALL_REDUCE_OPTIONS["max"].reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
 
 
 def tracing(tensors: Iterable[Tensor] = ()) -> bool:
@@ -287,7 +331,7 @@ def all_reduce(
     inplace: bool = False,
     what: str | None = None,
 ) -> Pending:
-    """Reduce `tensor` over the group (op "avg" or "sum"); every rank gets the result.
+    """Reduce `tensor` over the group (op "avg", "sum" or "max"); every rank gets the result.
 
     `inplace=True` reduces into `tensor` itself (the caller owns it and reads it only after
     `wait()`), saving an output buffer of the same size.
@@ -295,15 +339,17 @@ def all_reduce(
     if alone(group):
         return Pending(tensor, done=True)
     _before("all_reduce", group, tensor, what)
+    divided, op, post = _fp16_mean(tensor, op, group.size(), owned=inplace)
+    inplace, tensor = inplace or divided is not tensor, divided  # (a divided copy is ours)
     if _eager(tensor):
         out = tensor if inplace else tensor.clone(memory_format=torch.contiguous_format)
         with _below_autograd(), streams.on_stream("all_reduce", tensor.device):
             work = group.allreduce([_real(out)], _ALL_REDUCE_OPTIONS[op])
-        return Pending(out, op="all_reduce", group=group, what=what, work=work)
+        return Pending(out, op="all_reduce", group=group, what=what, work=work, post=post)
     reduce = _ops.all_reduce_ if inplace else _ops.all_reduce
     with _below_autograd():
         out = reduce(tensor, op, group.group_name)
-    return Pending(out, op="all_reduce", group=group, what=what)
+    return Pending(out, op="all_reduce", group=group, what=what, post=post)
 
 
 def all_to_all(tensor: Tensor, group: ProcessGroup, what: str | None = None) -> Pending:
@@ -371,14 +417,18 @@ def reduced_scattered(flat: Tensor, group: ProcessGroup, op: str = "avg") -> Ten
     """`reduce_scatter(...).wait()` as plain graph nodes (see `gathered`)."""
     if alone(group):
         return flat
-    return _ops.wait_tensor(_ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name))
+    flat, op, post = _fp16_mean(flat, op, group.size())
+    out = _ops.wait_tensor(_ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name))
+    return out if post is None else out / post
 
 
 def all_reduced(tensor: Tensor, group: ProcessGroup, op: str = "avg") -> Tensor:
     """`all_reduce(...).wait()` as plain graph nodes (see `gathered`)."""
     if alone(group):
         return tensor
-    return _ops.wait_tensor(_ops.all_reduce(tensor, op, group.group_name))
+    tensor, op, post = _fp16_mean(tensor, op, group.size())
+    out = _ops.wait_tensor(_ops.all_reduce(tensor, op, group.group_name))
+    return out if post is None else out / post
 
 
 # [Note: bookkeeping outside compiled graphs]

@@ -87,11 +87,18 @@ def pmean(tree: Any, mesh: Mesh, axis: str | None = None) -> Any:
     return _reduced(tree, mesh, mean=True, axis=axis)
 
 
-def global_norm(grads: ShardedGrads | GroupView | Mapping[str, Tensor | None]) -> Tensor:
-    """The L2 norm of the whole gradient, a 0-d float32 tensor: `clip_grad_norm_`'s total
-    norm. Of ShardedGrads: every parameter of every rank's shard counted once, the same on
-    every rank (one all-reduce of one number over the shard axis; replicas hold the same
-    shards). Of a dict of gradients: this process's, no communication."""
+NORM_TYPES = (1.0, 2.0, float("inf"))  # those of clip_grad_norm_ that reduce exactly
+
+
+def global_norm(
+    grads: ShardedGrads | GroupView | Mapping[str, Tensor | None], norm_type: float = 2.0
+) -> Tensor:
+    """The norm of the whole gradient, a 0-d float32 tensor: `clip_grad_norm_`'s total norm
+    for `norm_type` 1, 2 (the default) or inf. Of ShardedGrads: every parameter of every
+    rank's shard counted once, the same on every rank (one all-reduce of one number over
+    the shard axis, a max for inf; replicas hold the same shards). Of a dict of gradients:
+    this process's, no communication."""
+    norm_type = checked_norm_type(norm_type, "global_norm")
     if isinstance(grads, GroupView):  # a group of `partition`: its sharded leaves, its whole
         n = len(grads.layout.flats)
         pairs = list(zip(grads.parts, grads.values, strict=True))
@@ -100,24 +107,52 @@ def global_norm(grads: ShardedGrads | GroupView | Mapping[str, Tensor | None]) -
     elif isinstance(grads, ShardedGrads):
         sharded, whole = list(grads.shards), list(grads.replicated.values())
     else:
-        return _sum_of_squares(grads.values(), None).sqrt()
+        return _finished(_partial_norm(grads.values(), None, norm_type), norm_type)
     ensure_live(grads, "global_norm")
     device = grads.layout.mesh.device
-    squares = collectives.all_reduce(
-        _sum_of_squares(sharded, device),
+    shards = collectives.all_reduce(
+        _partial_norm(sharded, device, norm_type),
         grads.layout.mesh.shard_group,
-        "sum",
+        "max" if norm_type == float("inf") else "sum",
         what="<global grad norm>",
     ).wait()
     # replicated (ignored) parameters' gradients are whole on every rank: counted once
-    return (squares + _sum_of_squares(whole, device)).sqrt()
+    mine = _partial_norm(whole, device, norm_type)
+    both = torch.maximum(shards, mine) if norm_type == float("inf") else shards + mine
+    return _finished(both, norm_type)
 
 
-def _sum_of_squares(grads: Iterable[Tensor | None], device: torch.device | None) -> Tensor:
-    present = [g for g in grads if g is not None]
+def checked_norm_type(norm_type: float, where: str) -> float:
+    """`norm_type` as a float, if it is one of NORM_TYPES (else ValueError naming it)."""
+    try:
+        value = None if isinstance(norm_type, bool) else float(norm_type)
+    except (TypeError, ValueError):
+        value = None
+    if value not in NORM_TYPES:
+        raise ValueError(
+            f"funcshard.{where}: norm_type must be 1, 2 or inf (float('inf')), as "
+            f"torch.nn.utils.clip_grad_norm_ takes them, got {norm_type!r}."
+        )
+    return float(value)
+
+
+def _partial_norm(
+    grads: Iterable[Tensor | None], device: torch.device | None, norm_type: float
+) -> Tensor:
+    """What the ranks reduce: the sum of |g| (norm 1), of g squared (norm 2), or the max of
+    |g| (inf) over `grads`, in float32."""
+    present = [g for g in grads if g is not None and g.numel()]
     if not present:
         return torch.zeros((), device=device)
-    return torch.stack([g.float().square().sum() for g in present]).sum()
+    if norm_type == 2.0:
+        return torch.stack([g.float().square().sum() for g in present]).sum()
+    if norm_type == 1.0:
+        return torch.stack([g.float().abs().sum() for g in present]).sum()
+    return torch.stack([g.float().abs().amax() for g in present]).amax()
+
+
+def _finished(partial: Tensor, norm_type: float) -> Tensor:
+    return partial.sqrt() if norm_type == 2.0 else partial
 
 
 def _reduced(tree: Any, mesh: Mesh, mean: bool, axis: str | None) -> Any:

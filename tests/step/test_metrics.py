@@ -40,7 +40,9 @@ def test_pmean_and_psum_are_the_mean_and_sum_over_every_rank_on_every_rank(mesh)
         assert r["mean"]["loss"].dtype == torch.float32  # leaves keep their dtype
 
 
-def _norm(axes: dict, world: int, rank: int) -> tuple[float, float]:
+def _norm(axes: dict, world: int, rank: int) -> list[tuple[float, ...]]:
+    """Per norm type 1, 2, inf: (ours, clip_grad_norm_'s; after clipping to a third of it,
+    ours of the clipped sharded gradients, clip_grad_norm_'s of its clipped ones)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig())
     state = fs.shard(
@@ -55,15 +57,40 @@ def _norm(axes: dict, world: int, rank: int) -> tuple[float, float]:
     _, grads = fs.value_and_grad(loss)(state, x[mine], y[mine])
     plain = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     plain.backward()
-    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-    return fs.global_norm(grads).item(), expected.item()
+    out = []
+    for norm_type in (1, 2, float("inf")):
+        params = [p.detach().clone().requires_grad_() for p in model.parameters()]
+        for p, q in zip(params, model.parameters(), strict=True):
+            p.grad = q.grad.clone()
+        expected = torch.nn.utils.clip_grad_norm_(params, float("inf"), norm_type)
+        ours = fs.global_norm(grads, norm_type)
+        clip = fs.optim.clip_by_global_norm(ours.item() / 3, norm_type)
+        clipped, _ = clip.update(grads, clip.init(state), state)
+        torch.nn.utils.clip_grad_norm_(params, ours.item() / 3, norm_type)
+        after = torch.nn.utils.clip_grad_norm_(params, float("inf"), norm_type)
+        out.append((ours.item(), expected.item(), fs.global_norm(clipped, norm_type).item(),
+                    after.item()))  # fmt: skip
+    return out
 
 
 @pytest.mark.parametrize("mesh", ["fsdp 2", "ddp 2"])
-def test_global_norm_is_the_one_process_total_norm_on_every_rank(mesh):
+def test_global_norm_and_clipping_are_clip_grad_norm_for_norm_types_1_2_inf(mesh):
+    """FSDP2's test_clip_grad_norm_1d (norm types 2, 1, inf), against one process."""
     axes, world = MESHES[mesh]
-    for ours, plain in testing.run(functools.partial(_norm, axes, world), world_size=world):
-        assert ours == pytest.approx(plain, rel=1e-5)
+    for norms in testing.run(functools.partial(_norm, axes, world), world_size=world):
+        for ours, plain, clipped, plain_clipped in norms:
+            assert ours == pytest.approx(plain, rel=1e-5)
+            assert clipped == pytest.approx(plain_clipped, rel=1e-5)
+            assert clipped == pytest.approx(ours / 3, rel=1e-5)
+
+
+def test_a_norm_type_other_than_1_2_inf_is_refused_naming_it():
+    grads = {"a": torch.randn(3)}
+    for norm_type in (3, 0.5, "fro", True):
+        with pytest.raises(ValueError, match=f"norm_type must be 1, 2 or inf.*{norm_type!r}"):
+            fs.global_norm(grads, norm_type)
+        with pytest.raises(ValueError, match=f"clip_by_global_norm: norm_type.*{norm_type!r}"):
+            fs.optim.clip_by_global_norm(1.0, norm_type)
 
 
 def test_global_norm_of_a_dict_of_gradients_is_this_process_total_norm():
@@ -162,3 +189,18 @@ def test_a_dict_of_metrics_is_checked_and_reduced_in_one_collective():
         first, *rest = r["large"]
         assert first.numel == r["small"][0].numel  # the fixed-size checked buffer
         assert sorted(str(c.dtype) for c in rest) == ["torch.float16", "torch.float32"]
+
+
+def _nested_records(rank: int) -> tuple[int, int, int]:
+    mesh, metric = fs.Mesh(shard=2), {"loss": torch.tensor(float(rank))}
+    with fs.comm.record() as outer:
+        with fs.comm.record() as inner:  # (its log equals the outer one's when it ends)
+            fs.psum(metric, mesh)
+        fs.psum(metric, mesh)
+        with fs.comm.record() as second:
+            fs.psum(metric, mesh)
+    return len(outer), len(inner), len(second)
+
+
+def test_comm_records_nest_each_collecting_what_was_issued_inside_it():
+    assert testing.run(_nested_records, world_size=2) == [(3, 1, 1)] * 2
