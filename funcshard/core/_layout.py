@@ -86,6 +86,9 @@ class Layout:
     aliases: tuple[tuple[str, str], ...] = ()  # (second name, first FQN) of tied parameters
     replicated_frozen: tuple[str, ...] = ()  # replicated parameters that get no gradient
     reduce_replicated: bool = True  # the others' gradients are all-reduced (the plan's)
+    # (unit, its methods besides forward that gather it): see [Note: units called through
+    # other methods] in funcshard/core/_unit_methods.py
+    unit_methods: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def replicated_trainable(self) -> tuple[str, ...]:
@@ -243,4 +246,5 @@ def layout_of(plan: Plan, mesh: Mesh | None, shard_size: int | None = None) -> L
         mesh=mesh,  # type: ignore[arg-type]
         replicated_frozen=plan.ignored_frozen,
         reduce_replicated=plan.reduce_ignored,
+        unit_methods=tuple((u.name, u.methods) for u in plan.units if u.methods),
     )

@@ -20,13 +20,14 @@ import dataclasses
 import hashlib
 import math
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 from tabulate import tabulate
 from torch import nn
 
+from funcshard.core import _unit_methods as unit_methods
 from funcshard.core._module import check_module
 from funcshard.core._policy import Buckets, Policy, module_classes
 from funcshard.core._tree import format_names, join_fqn
@@ -46,6 +47,7 @@ class Unit:
     param_dtypes: tuple[torch.dtype, ...]  # one per FQN
     frozen_fqns: tuple[str, ...] = ()  # in a trainable unit (frozen="warn"|"split"): never updated
     frozen_apart: bool = False  # frozen="split": the frozen_fqns get flat buffers of their own
+    methods: tuple[str, ...] = ()  # the module's methods besides forward that gather the unit
 
     def bytes_per_rank(self, world_size: int) -> int:
         """Bytes each rank holds when the unit is sharded evenly (padded) over `world_size`."""
@@ -128,6 +130,7 @@ def plan(
     keep_fp32: Iterable[type[nn.Module]] = (),
     frozen: str = "error",
     reduce_ignored: bool = True,
+    forward_methods: Mapping[str | nn.Module, str | Iterable[str]] | None = None,
 ) -> Plan:
     """Choose the units of `model` (see [Note: choosing units]); the model is not modified.
 
@@ -141,16 +144,21 @@ def plan(
     `"split"` allows it (LoRA adapters beside their frozen base weights): the frozen members
     get flat buffers of their own in the unit, gathered with it but never reduced, with no
     gradient and no optimizer state; `"warn"` keeps them in the trainable buffer with a
-    warning, where they take zero gradients that are reduced.
+    warning, where they take zero gradients that are reduced. `forward_methods` maps a
+    unit's module (object or FQN) to methods other than `forward` that code outside it
+    calls (`{"vit": "forward_features"}`): each call gathers the unit as its forward does
+    (FSDP2's `register_fsdp_forward_method`).
     """
     check_module(model, "funcshard.plan")
+    methods = unit_methods.resolved(model, forward_methods)
     if isinstance(policy, Buckets):
         if keep_fp32:
             raise ValueError(
                 "funcshard.plan: keep_fp32 applies to module units; bucket plans hold "
                 "parameters, not modules. Drop keep_fp32 or use a module policy."
             )
-        return _with_ignored(model, _bucket_plan(model, policy, ignored), reduce_ignored)
+        planned = _bucket_plan(model, policy, ignored)
+        return unit_methods.given(_with_ignored(model, planned, reduce_ignored), methods)
     if policy is not None and not callable(policy):
         raise TypeError(
             f"funcshard.plan: policy must be callable (module, fqn, unowned_numel) -> bool or "
@@ -197,7 +205,8 @@ def plan(
             stacklevel=2,
         )
     ignored_fqns = tuple(first_fqn[pid] for pid in order if pid in ignored_params)
-    return _with_ignored(model, Plan(units=tuple(units), ignored=ignored_fqns), reduce_ignored)
+    planned = _with_ignored(model, Plan(units=tuple(units), ignored=ignored_fqns), reduce_ignored)
+    return unit_methods.given(planned, methods)
 
 
 def _with_ignored(model: nn.Module, plan: Plan, reduce_ignored: bool) -> Plan:

@@ -30,6 +30,7 @@ says so), and their gathers are not prefetched.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -278,13 +279,73 @@ def install_hooks(binding: Binding, run: Run) -> list[Any]:
         module.register_forward_pre_hook(_relink_hook(run, units))
         for module, units in binding.relinks
     ]
+    depth = [0] * len(binding.unit_names)  # how deep each unit is entered (forward, methods)
     for unit, module in enumerate(binding.unit_modules):
         if unit in binding.whole_call:
             continue
         assert module is not None  # a unit without a module (buckets) is a whole-call one
-        handles.append(module.register_forward_pre_hook(_pre_hook(run, unit)))
-        handles.append(module.register_forward_hook(_post_hook(run, unit), always_call=True))
+        handles.append(module.register_forward_pre_hook(_pre_hook(run, unit, depth)))
+        handles.append(
+            module.register_forward_hook(_post_hook(run, unit, depth), always_call=True)
+        )
+    if run.layout.unit_methods:
+        handles.extend(_wrap_methods(binding, run, depth))
     return handles
+
+
+def _wrap_methods(binding: Binding, run: Run, depth: list[int]) -> list[Any]:
+    """Wrap the plan's other methods of each unit's module, for this call, so that calling
+    one gathers the unit (see [Note: units called through other methods] in
+    funcshard/core/_unit_methods.py)."""
+    index = {name: unit for unit, name in enumerate(binding.unit_names)}
+    handles = []
+    for name, methods in run.layout.unit_methods:
+        unit = index[name]
+        module = binding.unit_modules[unit]
+        if unit in binding.whole_call or module is None:
+            continue
+        for method in methods:
+            handles.append(_Wrapped(module, method, _gathering(run, unit, depth, module, method)))
+    return handles
+
+
+def _gathering(
+    run: Run, unit: int, depth: list[int], module: nn.Module, method: str
+) -> Callable[..., Any]:
+    original = getattr(module, method)
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        depth[unit] += 1
+        try:
+            if depth[unit] == 1:
+                chaos.point()
+                run.enter(unit)
+            return original(*args, **kwargs)
+        finally:
+            depth[unit] -= 1
+            if depth[unit] == 0:
+                run.leave(unit)
+
+    return wrapped
+
+
+class _Wrapped:
+    """A method of one module instance replaced for one call; `remove()` puts it back."""
+
+    def __init__(self, module: nn.Module, method: str, wrapper: Callable[..., Any]) -> None:
+        self.module, self.method = module, method
+        self.own = module.__dict__.get(method, _NONE)  # an instance attribute it shadows
+        module.__dict__[method] = wrapper
+
+    def remove(self) -> None:
+        if self.own is _NONE:
+            self.module.__dict__.pop(self.method, None)
+        else:
+            self.module.__dict__[self.method] = self.own
+
+
+_NONE = object()
 
 
 def _relink_hook(run: Run, units: tuple[int, ...]) -> Callable[..., None]:
@@ -296,17 +357,21 @@ def _relink_hook(run: Run, units: tuple[int, ...]) -> Callable[..., None]:
     return hook
 
 
-def _pre_hook(run: Run, unit: int) -> Callable[..., None]:
+def _pre_hook(run: Run, unit: int, depth: list[int]) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any) -> None:
-        chaos.point()
-        run.enter(unit)
+        depth[unit] += 1
+        if depth[unit] == 1:  # (not when a wrapped method calls forward)
+            chaos.point()
+            run.enter(unit)
 
     return hook
 
 
-def _post_hook(run: Run, unit: int) -> Callable[..., None]:
+def _post_hook(run: Run, unit: int, depth: list[int]) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        chaos.point()
-        run.leave(unit)
+        depth[unit] -= 1
+        if depth[unit] == 0:
+            chaos.point()
+            run.leave(unit)
 
     return hook

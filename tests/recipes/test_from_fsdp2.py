@@ -6,6 +6,7 @@ single-process arithmetic at FSDP2's tolerances.
 import copy
 import functools
 
+import pytest
 import torch
 from torch import nn
 
@@ -71,3 +72,77 @@ def test_compute_dtype_fp16_means_divide_before_and_after_the_sum():
     for params in testing.run(_fp16_training, world_size=WORLD):
         for name, p in params.items():
             torch.testing.assert_close(p, expected[name].detach(), rtol=1.3e-6, atol=1e-5)
+
+
+class _Patches(nn.Module):
+    """A ViT's patch embedding whose parent calls `forward_features`, not forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, 32, kernel_size=4, stride=4)
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        return self.proj(images).flatten(2).transpose(1, 2)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.forward_features(images).sum(dim=1)
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.vit, self.projector = _Patches(), nn.Linear(32, 8)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.vit.forward_features(images))
+
+
+def _images(rank: int) -> torch.Tensor:
+    return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(7 + rank))
+
+
+def _forward_method(on_meta: bool, rank: int) -> tuple[float, dict, float, dict]:
+    torch.manual_seed(0)
+    with torch.device("meta" if on_meta else "cpu"):
+        model = _Model()
+    units = fs.policy.module_classes({_Patches, nn.Linear})
+    plan = fs.plan(model, policy=units, forward_methods={model.vit: "forward_features"})
+    state = fs.shard(model, plan, fs.Mesh(shard=WORLD), seed=3)
+    loss_fn = lambda state, x: fs.call(model, state, x).sum()  # noqa: E731
+    loss, grads = fs.value_and_grad(loss_fn, reduce=False)(state, _images(rank))
+    # the same model on one process, from the same values
+    plain = _Model()
+    plain.load_state_dict(fs.unshard(state))
+    plain_loss = plain(_images(rank)).sum()
+    plain_loss.backward()
+    plain_grads = {k: p.grad for k, p in plain.named_parameters()}
+    return loss.item(), grads.grads, plain_loss.item(), plain_grads
+
+
+def test_register_fsdp_forward_method():
+    """test_fully_shard_training.py::test_register_fsdp_forward_method: a unit called through
+    `forward_features` is gathered for it, on CPU-built and meta-built models."""
+    for on_meta in (False, True):
+        for loss, grads, plain_loss, plain_grads in testing.run(
+            functools.partial(_forward_method, on_meta), world_size=WORLD
+        ):
+            assert loss == pytest.approx(plain_loss, rel=1e-5)
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-6)
+
+
+def test_forward_methods_refuses_a_missing_method_and_a_module_that_is_no_unit():
+    model, units = _Model(), fs.policy.module_classes({_Patches})
+    for methods, words in (
+        ({"vit": "encode"}, "names 'encode', which _Patches at 'vit' does not have"),
+        ({"vit": "forward"}, "name methods other than forward"),
+        ({"projector": "forward_features"}, "does not have as a method"),
+        ({"vit.proj": "_conv_forward"}, "'vit.proj', which is not a unit's module"),
+        ({"": "forward"}, "name methods other than forward"),
+        ({"head": "x"}, "names 'head', which is not a module of this _Model"),
+        ({nn.Linear(2, 2): "forward"}, "names a Linear module, which is not a module of"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            fs.plan(model, policy=units, forward_methods=methods)
+    with pytest.raises(ValueError, match="'vit', which is not a unit's module"):
+        fs.plan(model, policy=fs.policy.buckets(1.0), forward_methods={"vit": "forward_features"})
