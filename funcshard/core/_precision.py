@@ -20,7 +20,8 @@ class MixedPrecision:
     The sharded master copy and the optimizer state always stay in the original dtype:
     `param_dtype` applies to the gathered copy, `reduce_dtype` to the gradient reduction, and
     `output_dtype` to the model's floating-point outputs. `cast_inputs` casts floating-point
-    inputs to `param_dtype` before the model runs.
+    inputs to `param_dtype` before the model runs, and, eagerly, each unit's inputs before
+    the unit runs (as FSDP2 does; not keep_fp32 units; not yet in compiled steps).
     """
 
     param_dtype: torch.dtype | None = None
@@ -58,20 +59,38 @@ def reduce_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype:
     return mp.reduce_dtype_for(flat.dtype)
 
 
-def cast_inputs(mp: MixedPrecision | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Floating-point inputs cast to `mp.param_dtype` when the policy asks for it."""
+def cast_inputs(
+    mp: MixedPrecision | None, args: tuple, kwargs: dict, dtype: torch.dtype | None = None
+) -> tuple[tuple, dict]:
+    """Floating-point inputs cast to `mp.param_dtype` (or to `dtype`, a unit's compute
+    dtype) when the policy asks for it."""
     if mp is None or not mp.cast_inputs or mp.param_dtype is None:
         return args, kwargs
+    to = dtype or mp.param_dtype
 
     def cast(x: Any) -> Any:
-        return x.to(mp.param_dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+        if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != to:
+            return x.to(to)
+        return x
 
+    if not kwargs and all([isinstance(x, Tensor) for x in args]):  # the common case, cheaply
+        return tuple([cast(x) for x in args]), kwargs
     # tree_map keeps the containers' types, but optree's stubs type a tree as optree's own
     # PyTree class, which no tuple or dict is
     return (
         optree.tree_map(cast, args),  # type: ignore[arg-type]
         optree.tree_map(cast, kwargs),  # type: ignore[arg-type]
     )  # type: ignore[return-value]
+
+
+def unit_input_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype | None:
+    """The dtype a unit's floating-point inputs are cast to when it runs, as FSDP2 casts
+    each module's: `mp.param_dtype`, so an fp32 activation (a buffer added, a keep_fp32
+    unit's output) reaches the next unit in its compute dtype. None when nothing is cast,
+    and for keep_fp32 units, which take their inputs as they come, as before."""
+    if mp is None or not mp.cast_inputs or mp.param_dtype is None or flat.keep_fp32:
+        return None
+    return mp.param_dtype
 
 
 def cast_outputs(mp: MixedPrecision | None, out: Any) -> Any:

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from funcshard.comm import _chaos as chaos
 from funcshard.comm import _collectives as collectives
 from funcshard.comm._comm import Comm
+from funcshard.core import _precision as precision
 from funcshard.core import _recompute as recompute
 from funcshard.core._binding import Binding
 from funcshard.core._layout import param_views
@@ -284,7 +285,12 @@ def install_hooks(binding: Binding, run: Run) -> list[Any]:
         if unit in binding.whole_call:
             continue
         assert module is not None  # a unit without a module (buckets) is a whole-call one
-        handles.append(module.register_forward_pre_hook(_pre_hook(run, unit, depth)))
+        dtype = _input_dtype(run, binding, unit)
+        if dtype is None:
+            handles.append(module.register_forward_pre_hook(_pre_hook(run, unit, depth)))
+        else:
+            hook = _casting_pre_hook(run, unit, depth, dtype)
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         handles.append(
             module.register_forward_hook(_post_hook(run, unit, depth), always_call=True)
         )
@@ -313,6 +319,7 @@ def _gathering(
     run: Run, unit: int, depth: list[int], module: nn.Module, method: str
 ) -> Callable[..., Any]:
     original = getattr(module, method)
+    dtype = _input_dtype(run, run.binding, unit)
 
     @functools.wraps(original)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -321,6 +328,8 @@ def _gathering(
             if depth[unit] == 1:
                 chaos.point()
                 run.enter(unit)
+                if dtype is not None:
+                    args, kwargs = precision.cast_inputs(run.state.mp, args, kwargs, dtype)
             return original(*args, **kwargs)
         finally:
             depth[unit] -= 1
@@ -365,6 +374,31 @@ def _pre_hook(run: Run, unit: int, depth: list[int]) -> Callable[..., None]:
             run.enter(unit)
 
     return hook
+
+
+def _casting_pre_hook(
+    run: Run, unit: int, depth: list[int], dtype: torch.dtype
+) -> Callable[..., tuple[tuple, dict] | None]:
+    """`_pre_hook` that also casts the unit's floating-point inputs to `dtype`, its
+    compute dtype (as FSDP2 casts each module's: a unit after an fp32 buffer's add, or
+    after a keep_fp32 unit, gets its own dtype's inputs)."""
+    mp = run.state.mp
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        depth[unit] += 1
+        if depth[unit] != 1:
+            return None
+        chaos.point()
+        run.enter(unit)
+        return precision.cast_inputs(mp, args, kwargs, dtype)
+
+    return hook
+
+
+def _input_dtype(run: Run, binding: Binding, unit: int) -> torch.dtype | None:
+    """What a unit's inputs are cast to when it runs (None: left alone)."""
+    flat = run.layout.flats[binding.unit_flats[unit][0]]
+    return precision.unit_input_dtype(run.state.mp, flat)
 
 
 def _post_hook(run: Run, unit: int, depth: list[int]) -> Callable[..., None]:

@@ -146,3 +146,50 @@ def test_forward_methods_refuses_a_missing_method_and_a_module_that_is_no_unit()
             fs.plan(model, policy=units, forward_methods=methods)
     with pytest.raises(ValueError, match="'vit', which is not a unit's module"):
         fs.plan(model, policy=fs.policy.buckets(1.0), forward_methods={"vit": "forward_features"})
+
+
+class _Shifted(nn.Module):
+    """A layer whose fp32 buffer, added in bf16 compute, hands the next layer fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("shift", torch.ones(16) / 4)
+
+    def reset_buffers(self) -> None:  # (what a meta-built model's shard writes it with)
+        nn.init.constant_(self.shift, 0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.shift
+
+
+def _cast_inputs_per_unit(rank: int) -> tuple[float, dict, float, dict]:
+    with torch.device("meta"):
+        model = nn.Sequential(_Shifted(), _Shifted(), _Shifted())
+    mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plan = fs.plan(model, policy=fs.policy.module_classes({_Shifted}))
+    state = fs.shard(model, plan, fs.Mesh(shard=WORLD), mp=mp, seed=5)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    loss_fn = lambda state, x: fs.call(model, state, x).float().sum()  # noqa: E731
+    loss, grads = fs.value_and_grad(loss_fn, reduce=False)(state, x)
+    # FSDP2's arithmetic on one process: a bf16 copy, each layer's inputs cast to bf16
+    plain = nn.Sequential(_Shifted(), _Shifted(), _Shifted())
+    plain.load_state_dict(fs.unshard(state), strict=False)
+    plain = plain.to(torch.bfloat16)
+    for layer in plain:
+        layer.shift = layer.shift.float()
+        layer.register_forward_pre_hook(lambda m, args: tuple(a.bfloat16() for a in args))
+    plain_loss = plain(x).float().sum()
+    plain_loss.backward()
+    plain_grads = {k: p.grad.float() for k, p in plain.named_parameters()}
+    ours = {k: g.float() for k, g in grads.grads.items()}
+    return loss.item(), ours, plain_loss.item(), plain_grads
+
+
+def test_meta_device_1d_init_bf16_compute_casts_each_units_inputs():
+    """test_fully_shard_init.py::test_meta_device_1d_init with bf16 compute and fp32 reduce:
+    an fp32 buffer added to a unit's output; the next unit casts its inputs to bf16."""
+    for loss, grads, plain_loss, plain_grads in testing.run(_cast_inputs_per_unit, WORLD):
+        assert loss == pytest.approx(plain_loss, rel=1e-3)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain_grads[name], rtol=1e-2, atol=1e-2)
