@@ -212,6 +212,23 @@ def test_large_finite_gradients_whose_sum_overflows_are_finite(dtype):
     assert local_flags([big, None, poisoned, big[:0]]).tolist() == [0, 0, 1, 0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.complex64])
+def test_flags_are_exactly_the_tensors_holding_nan_or_inf(dtype):
+    big = torch.finfo(dtype).max / 4  # a sum of 64 overflows; the values are finite
+    tensors = [torch.tensor(float("nan"), dtype=dtype), None, torch.zeros(0, dtype=dtype)]
+    for poison in (None, float("nan"), float("inf"), -float("inf")):
+        for fill in (1.0, big, -big):
+            t = torch.full((64,), fill, dtype=dtype)
+            if poison is not None:
+                t[17] = poison
+            tensors.append(t)
+    if dtype.is_complex:  # NaN or inf in the imaginary part alone counts too
+        tensors += [torch.full((8,), complex(1, float(x)), dtype=dtype) for x in ("nan", "inf")]
+    expected = [int(t is not None and not bool(t.isfinite().all())) for t in tensors]
+    assert expected[0] == 1 and sum(expected) == len(expected) - 5  # (the test's own sanity)
+    assert local_flags(tensors).tolist() == expected
+
+
 def test_check_finite_refuses_an_unknown_policy_naming_the_choices():
     with pytest.raises(ValueError, match=r"'skip' \(the default.*'raise'.*'off', got 'warn'"):
         fs.value_and_grad(lambda p: p["w"].sum(), check_finite="warn")
