@@ -24,6 +24,7 @@ from funcshard.core import MixedPrecision as MixedPrecision
 from funcshard.core import Plan as Plan
 from funcshard.core import ShardedGrads as ShardedGrads
 from funcshard.core import ShardedState as ShardedState
+from funcshard.core import UngatheredParameterError as UngatheredParameterError
 from funcshard.core import Unit as Unit
 from funcshard.core import _policy as policy
 from funcshard.core import extract as extract
@@ -84,6 +85,7 @@ __all__ = [
     "ShardedGrads",
     "ShardedState",
     "SplitGraph",
+    "UngatheredParameterError",
     "Unit",
     "accumulate",
     "apply_updates",

@@ -19,6 +19,7 @@ from funcshard.core._state import DonatedError as DonatedError
 from funcshard.core._state import LocalGrads as LocalGrads
 from funcshard.core._state import ShardedGrads as ShardedGrads
 from funcshard.core._state import ShardedState as ShardedState
+from funcshard.core._ungathered import UngatheredParameterError as UngatheredParameterError
 
 __all__ = [
     "DonatedError",
@@ -29,6 +30,7 @@ __all__ = [
     "Plan",
     "ShardedGrads",
     "ShardedState",
+    "UngatheredParameterError",
     "Unit",
     "extract",
     "fold_in",

@@ -9,11 +9,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
-import torch
 from torch import Tensor, nn
 
 from funcshard.core._layout import Layout
 from funcshard.core._tree import format_names, join_fqn
+from funcshard.core._ungathered import Ungathered
 
 T = TypeVar("T")
 ByModule = tuple[tuple[nn.Module, tuple[T, ...]], ...]  # (module, its items), once per module
@@ -67,6 +67,16 @@ def bind(model: nn.Module, layout: Layout) -> Binding:
     return binding
 
 
+def _placeholder(
+    fqn: str, layout: Layout, flat_of: dict[str, int], unit: str, module: nn.Module | None
+) -> Ungathered:
+    """What parameter `fqn`'s slots hold while its unit is not gathered (see [Note:
+    placeholders that refuse to compute] in funcshard/core/_ungathered.py)."""
+    flat = layout.flats[flat_of[fqn]]
+    shape = flat.shapes[flat.fqns.index(fqn)]
+    return Ungathered(shape, flat.dtype, fqn, unit, module)
+
+
 def _build_binding(model: nn.Module, layout: Layout) -> Binding:
     first_fqn = {id(p): n for n, p in model.named_parameters()}
     expected = set(layout.fqns) | set(layout.replicated)
@@ -114,16 +124,17 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
     unit_params = tuple(
         tuple((i, shape_of[f]) for i in flats for f in layout.flats[i].fqns) for flats in unit_flats
     )
+    modules = tuple(_module_or_none(model, u) for u in units)
     param_slots = []
-    for flats, slots in zip(unit_flats, slots_by_unit, strict=True):
+    for unit, (flats, slots) in enumerate(zip(unit_flats, slots_by_unit, strict=True)):
         index = {f: k for k, f in enumerate(f for i in flats for f in layout.flats[i].fqns)}
         param_slots.append(
             tuple(
-                (slot, index[fqn], torch.empty(shape_of[fqn], device="meta")) for slot, fqn in slots
+                (slot, index[fqn], _placeholder(fqn, layout, flat_of, units[unit], modules[unit]))
+                for slot, fqn in slots
             )
         )
     root = units.index("") if "" in units else None
-    modules = tuple(_module_or_none(model, u) for u in units)
     # Buckets, and containers such as ModuleList, have no forward that runs (so no hook
     # fires): they stay gathered for the whole call (free on a size-1 shard axis).
     not_called = {k for k, m in enumerate(modules) if m is None or not has_forward(m)}

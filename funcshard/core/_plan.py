@@ -158,7 +158,7 @@ def plan(
                 "parameters, not modules. Drop keep_fp32 or use a module policy."
             )
         planned = _bucket_plan(model, policy, ignored)
-        return unit_methods.given(_with_ignored(model, planned, reduce_ignored), methods)
+        return _with_methods(_with_ignored(model, planned, reduce_ignored), methods)
     if policy is not None and not callable(policy):
         raise TypeError(
             f"funcshard.plan: policy must be callable (module, fqn, unowned_numel) -> bool or "
@@ -206,7 +206,26 @@ def plan(
         )
     ignored_fqns = tuple(first_fqn[pid] for pid in order if pid in ignored_params)
     planned = _with_ignored(model, Plan(units=tuple(units), ignored=ignored_fqns), reduce_ignored)
-    return unit_methods.given(planned, methods)
+    return _with_methods(planned, methods)
+
+
+def _with_methods(plan: Plan, methods: unit_methods.Methods) -> Plan:
+    """`plan` with each unit's methods, refusing methods of a module that is no unit's."""
+    if not methods:
+        return plan
+    units = {u.name for u in plan.units}
+    strays = [fqn for fqn in methods if fqn not in units or fqn == ""]
+    if strays:
+        chosen = [u.name for u in plan.units if u.name and not u.name.startswith("<")]
+        raise ValueError(
+            f"funcshard.plan: forward_methods names {strays[0]!r}, which is not a unit's "
+            f"module (the units: {chosen}); make it a unit with the policy (the root's methods "
+            f"are funcshard.call(..., method=...))."
+        )
+    return dataclasses.replace(
+        plan,
+        units=tuple(dataclasses.replace(u, methods=methods.get(u.name, ())) for u in plan.units),
+    )
 
 
 def _with_ignored(model: nn.Module, plan: Plan, reduce_ignored: bool) -> Plan:

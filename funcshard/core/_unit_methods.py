@@ -14,14 +14,9 @@ gathers once: the hooks and the wrappers count how deep a unit is entered.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from torch import nn
-
-if TYPE_CHECKING:
-    from funcshard.core._plan import Plan
 
 Methods = dict[str, tuple[str, ...]]  # unit's module FQN -> its methods
 
@@ -62,25 +57,6 @@ def resolved(
                 )
         out[str(fqn)] = names
     return out
-
-
-def given(plan: Plan, methods: Methods) -> Plan:
-    """`plan` with each unit's methods, refusing methods of a module that is no unit's."""
-    if not methods:
-        return plan
-    units = {u.name for u in plan.units}
-    strays = [fqn for fqn in methods if fqn not in units or fqn == ""]
-    if strays:
-        chosen = [u.name for u in plan.units if u.name and not u.name.startswith("<")]
-        raise ValueError(
-            f"funcshard.plan: forward_methods names {strays[0]!r}, which is not a unit's "
-            f"module (the units: {chosen}); make it a unit with the policy (the root's methods "
-            f"are funcshard.call(..., method=...))."
-        )
-    return dataclasses.replace(
-        plan,
-        units=tuple(dataclasses.replace(u, methods=methods.get(u.name, ())) for u in plan.units),
-    )
 
 
 def _module(model: nn.Module, fqn: object) -> nn.Module | None:

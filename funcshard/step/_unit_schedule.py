@@ -10,8 +10,10 @@ next unit's all-gathers so they overlap this unit's compute (the first unit's ar
 the call starts, right after the whole-call units'). The post-hook swaps meta
 placeholders back in and drops the gathered buffers. The root unit, and any unit whose
 parameters are also used from outside its own module (a tied weight across units), stay
-gathered for the whole call. Outside its unit's forward a parameter slot holds a meta
-placeholder, so code that touches it there fails loudly instead of reading stale values.
+gathered for the whole call. Outside its unit's forward a parameter slot holds a
+placeholder that refuses to compute (see [Note: placeholders that refuse to compute] in
+funcshard/core/_ungathered.py); methods the plan names gather the unit as forward does
+(see [Note: units called through other methods] in funcshard/core/_unit_methods.py).
 
 Differentiation is autograd's own: each gather is an autograd node whose backward reduces, so
 the call is a differentiable function of `state.shards`. Autograd runs ready nodes newest
@@ -214,7 +216,7 @@ class Run(UnitGathers):
             slot.module._parameters[slot.attr] = params[index]  # type: ignore[assignment]
 
     def _swap_out(self, unit: int) -> None:
-        """Put meta placeholders in a unit's slots: a use outside its forward fails loudly."""
+        """Put placeholders in a unit's slots: a use outside its forward raises."""
         for module, placeholders in self.binding.unit_placeholders[unit]:
             module._parameters.update(placeholders)  # type: ignore[arg-type]  # (as `_swap_in`)
 
@@ -276,10 +278,10 @@ def _warn_kept_gathered() -> None:
 
 
 def install_hooks(binding: Binding, run: Run) -> list[Any]:
-    handles = [
-        module.register_forward_pre_hook(_relink_hook(run, units))
-        for module, units in binding.relinks
-    ]
+    # funcshard's pre-hooks run first (prepended; the relinks' before the units'): a user's
+    # own pre-hook on a unit's module (torch's weight_norm computes the weight in one) reads
+    # the gathered parameters, not placeholders
+    handles = []
     depth = [0] * len(binding.unit_names)  # how deep each unit is entered (forward, methods)
     for unit, module in enumerate(binding.unit_modules):
         if unit in binding.whole_call:
@@ -287,13 +289,20 @@ def install_hooks(binding: Binding, run: Run) -> list[Any]:
         assert module is not None  # a unit without a module (buckets) is a whole-call one
         dtype = _input_dtype(run, binding, unit)
         if dtype is None:
-            handles.append(module.register_forward_pre_hook(_pre_hook(run, unit, depth)))
+            enter = _pre_hook(run, unit, depth)
+            handles.append(module.register_forward_pre_hook(enter, prepend=True))
         else:
-            hook = _casting_pre_hook(run, unit, depth, dtype)
-            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+            casting = _casting_pre_hook(run, unit, depth, dtype)
+            handles.append(
+                module.register_forward_pre_hook(casting, with_kwargs=True, prepend=True)
+            )
         handles.append(
             module.register_forward_hook(_post_hook(run, unit, depth), always_call=True)
         )
+    handles += [
+        module.register_forward_pre_hook(_relink_hook(run, units), prepend=True)
+        for module, units in binding.relinks
+    ]
     if run.layout.unit_methods:
         handles.extend(_wrap_methods(binding, run, depth))
     return handles

@@ -12,7 +12,7 @@ from torch import nn
 
 import funcshard as fs
 from funcshard import testing
-from funcshard.comm._collectives import fp16_divisors
+from funcshard.comm._fp16_mean import fp16_divisors
 
 WORLD = 2
 
@@ -193,3 +193,61 @@ def test_meta_device_1d_init_bf16_compute_casts_each_units_inputs():
         assert loss == pytest.approx(plain_loss, rel=1e-3)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, plain_grads[name], rtol=1e-2, atol=1e-2)
+
+
+def _undeclared_method(on_meta: bool, rank: int) -> list[str]:
+    with torch.device("meta" if on_meta else "cpu"):
+        model = _Model()
+    plan = fs.plan(model, policy=fs.policy.module_classes({_Patches, nn.Linear}))
+    state = fs.shard(model, plan, fs.Mesh(shard=WORLD), seed=3)
+    said = []
+    for run in (
+        lambda: fs.call(model, state, _images(rank)),
+        lambda: fs.value_and_grad(lambda s, x: fs.call(model, s, x).sum())(state, _images(rank)),
+    ):
+        try:
+            run()
+            said.append("no error")
+        except fs.UngatheredParameterError as e:
+            said.append(str(e))
+    return said
+
+
+def test_a_unit_read_outside_its_gather_raises_naming_the_unit_and_the_method():
+    """Without forward_methods the conv ran on its placeholder's meta kernel and returned an
+    uninitialized tensor (losses of 1e21, zero gradients): now it raises, naming it all."""
+    for on_meta in (False, True):
+        for said in testing.run(functools.partial(_undeclared_method, on_meta), WORLD):
+            for message in said:
+                assert "read parameter 'vit.proj.weight' of unit 'vit'" in message, message
+                assert "(it ran inside _Patches.forward_features)" in message, message
+                assert "forward_methods={'vit': 'forward_features'}" in message, message
+
+
+class _WeightNormed(nn.Module):
+    """A unit whose module computes its weight in a pre-hook of its own (old weight_norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norms = nn.Linear(6, 6), []
+        self.lin.register_forward_pre_hook(lambda m, args: self.norms.append(m.weight.norm()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _users_pre_hook(rank: int) -> tuple[float, float, float, float]:
+    torch.manual_seed(0)
+    model = nn.Sequential(_WeightNormed(), nn.Tanh(), nn.Linear(6, 2))
+    state = fs.shard(model, fs.plan(model, policy=fs.policy.module_classes({nn.Linear})),
+                     fs.Mesh(shard=WORLD))  # fmt: skip
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(rank))
+    ours = fs.call(model, state, x).sum().item()
+    read, model[0].norms[:] = model[0].norms[0].item(), []
+    return ours, model(x).sum().item(), read, model[0].norms[0].item()
+
+
+def test_funcshards_gather_runs_before_a_users_own_pre_hook_on_the_unit():
+    for ours, plain, read, plain_read in testing.run(_users_pre_hook, WORLD):
+        assert ours == pytest.approx(plain, rel=1e-6)
+        assert read == pytest.approx(plain_read, rel=1e-6)  # the hook saw the real weight
