@@ -38,6 +38,7 @@ from funcshard.comm import _chaos as chaos
 from funcshard.comm import _collective_checks as collective_checks
 from funcshard.comm import _exchange as exchange
 from funcshard.comm import _failures as failures
+from funcshard.comm import _fp16_mean as fp16_mean
 from funcshard.comm import _progress as progress
 from funcshard.comm import _streams as streams
 from funcshard.comm import _trail as trail
@@ -142,7 +143,7 @@ class Pending:
     ) -> None:
         self._tensor = tensor
         self._done = done
-        self._post = post  # the divisor left for after the sum (see [Note: fp16 means])
+        self._post = post  # the divisor left for after the sum (comm/_fp16_mean.py)
         self._op, self._group, self._what = op, group, what
         self._work = work
         self._input = input  # held until the wait (see [Note: collectives on their own
@@ -220,7 +221,7 @@ def reduce_scatter(
         return Pending(flat, done=True)
     _before("reduce_scatter", group, flat, what)
     eager = _eager(flat)
-    flat, op, post = _fp16_mean(flat, op, group.size(), owned)
+    flat, op, post = fp16_mean.divided(flat, op, group.size(), owned)
     owned = owned or post is not None
     work: dist.Work | exchange.Exchange
     if eager and exchange.is_gloo(group):
@@ -237,37 +238,6 @@ def reduce_scatter(
     with _below_autograd():
         out = _ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name)
     return Pending(out, op="reduce_scatter", group=group, what=what, post=post)
-
-
-# [Note: fp16 means]
-# fp16 holds magnitudes up to 65504 and loses precision below 6.1e-5 (subnormals), so a
-# mean of fp16 gradients is taken as FSDP2 takes it: each rank's values divided by a power
-# of two near the square root of the group's size before the sum, the rest after it, so the
-# sum neither overflows at large world sizes nor the small values lose more bits than they
-# must. bf16 and fp32 have fp32's range: their means stay one reduction "avg" (sum, then
-# divide), bitwise as before.
-
-
-def fp16_divisors(size: int) -> tuple[int, float]:
-    """(before, after) the sum of a mean over `size` fp16 tensors: `before` doubles from 1
-    while it divides `size` and its square stays below `size`; `after` is the rest."""
-    before = 1
-    while size % before == 0 and before * before < size:
-        before *= 2
-    return before, size / before
-
-
-def _fp16_mean(
-    tensor: Tensor, op: str, size: int, owned: bool = False
-) -> tuple[Tensor, str, float | None]:
-    """An fp16 mean as a sum of divided values: (what to reduce, the op, the divisor left
-    for after the reduction); anything else as it is (see [Note: fp16 means])."""
-    if op != "avg" or tensor.dtype != torch.float16:
-        return tensor, op, None
-    before, after = fp16_divisors(size)
-    with _below_autograd():
-        divided = tensor.div_(before) if owned else tensor.div(before)
-    return divided, "sum", after if after != 1 else None
 
 
 # [Note: eager collectives through Work objects]
@@ -339,7 +309,7 @@ def all_reduce(
     if alone(group):
         return Pending(tensor, done=True)
     _before("all_reduce", group, tensor, what)
-    divided, op, post = _fp16_mean(tensor, op, group.size(), owned=inplace)
+    divided, op, post = fp16_mean.divided(tensor, op, group.size(), owned=inplace)
     inplace, tensor = inplace or divided is not tensor, divided  # (a divided copy is ours)
     if _eager(tensor):
         out = tensor if inplace else tensor.clone(memory_format=torch.contiguous_format)
@@ -417,7 +387,7 @@ def reduced_scattered(flat: Tensor, group: ProcessGroup, op: str = "avg") -> Ten
     """`reduce_scatter(...).wait()` as plain graph nodes (see `gathered`)."""
     if alone(group):
         return flat
-    flat, op, post = _fp16_mean(flat, op, group.size())
+    flat, op, post = fp16_mean.divided(flat, op, group.size())
     out = _ops.wait_tensor(_ops.reduce_scatter_tensor(flat, op, group.size(), group.group_name))
     return out if post is None else out / post
 
@@ -426,7 +396,7 @@ def all_reduced(tensor: Tensor, group: ProcessGroup, op: str = "avg") -> Tensor:
     """`all_reduce(...).wait()` as plain graph nodes (see `gathered`)."""
     if alone(group):
         return tensor
-    tensor, op, post = _fp16_mean(tensor, op, group.size())
+    tensor, op, post = fp16_mean.divided(tensor, op, group.size())
     out = _ops.wait_tensor(_ops.all_reduce(tensor, op, group.group_name))
     return out if post is None else out / post
 

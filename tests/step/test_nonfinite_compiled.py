@@ -12,6 +12,7 @@ from torch import nn
 
 import funcshard as fs
 from funcshard import testing
+from funcshard.testing.dynamo import isolated
 
 MESHES = {
     "fsdp": (2, dict(shard=2)),
@@ -34,6 +35,7 @@ def _copy(params: dict) -> dict:
     return {k: v.clone() for k, v in params.items()}
 
 
+@isolated(trace_autograd_ops=False)  # (fs.compile turns it on for its own calls)
 def _train(mesh_kwargs: dict, how: str, rank: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -58,7 +60,6 @@ def _train(mesh_kwargs: dict, how: str, rank: int) -> dict:
         compiled = torch.compile(step, backend="aot_eager")
     else:
         compiled = fs.compile(step, backend="aot_eager", fullgraph=True)
-    torch._dynamo.reset()
     opt_state, out = opt.init(state), []
     for i, kind in enumerate(BATCHES):
         before = _copy(fs.unshard(state))
