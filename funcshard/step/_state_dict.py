@@ -17,6 +17,7 @@ from funcshard.core._module import feed_tied, reparametrized
 from funcshard.core._plan import Plan
 from funcshard.core._state import ShardedState
 from funcshard.core._tree import format_names
+from funcshard.step import _broadcast_load as broadcast_load
 from funcshard.step._sharding import shard
 from funcshard.step._unsharding import unshard
 
@@ -54,13 +55,46 @@ def _full_state_dict(state: ShardedState) -> dict[str, Tensor] | None:
 
 
 def from_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Tensor], plan: Plan, mesh: Mesh, **options: Any
+    model: nn.Module,
+    state_dict: Mapping[str, Tensor] | None,
+    plan: Plan,
+    mesh: Mesh,
+    from_rank: int | None = None,
+    **options: Any,
 ) -> ShardedState:
     """Shard a plain `model.state_dict()` (from PyTorch, DDP, FSDP2's full state dict, or
     `full_state_dict`) as `shard` would shard a model holding those values.
 
-    Communicates: what `shard` does.
+    With `from_rank=r`, only global rank r holds the dict (the others pass None): it is
+    checked there, a mismatch raises on every rank, and it is broadcast one flat buffer at a
+    time, so no other rank ever holds more than one unit of it beyond its shards (FSDP2's
+    `broadcast_from_rank0`; see [Note: a state dict broadcast unit by unit]). Every rank of
+    the mesh calls it.
+
+    Communicates: what `shard` does; with `from_rank`, also one broadcast per flat buffer,
+    replicated parameter and buffer, and two for the check's verdict.
     """
+    if from_rank is not None:
+        return broadcast_load.from_rank(
+            model, state_dict, plan, mesh, from_rank, _mismatch, **options
+        )
+    if state_dict is None:
+        raise ValueError(
+            "funcshard.from_state_dict: state_dict is None; pass the dict on every rank, or "
+            "from_rank=r with the dict on rank r alone."
+        )
+    problem = _mismatch(model, state_dict)
+    if problem:
+        raise ValueError(problem)
+    firsts = {name for name, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    fed = feed_tied(model, {k: v for k, v in state_dict.items() if k in firsts})
+    with reparametrized(model, fed):
+        return shard(model, plan, mesh, **options)
+
+
+def _mismatch(model: nn.Module, state_dict: Mapping[str, Tensor]) -> str | None:
+    """What keeps `state_dict` from loading into `model` (missing, unexpected or differing
+    keys), or None."""
     expected = model.state_dict(keep_vars=True)
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
@@ -70,13 +104,10 @@ def from_state_dict(
         for k, v in expected.items()
         if k in state_dict and (state_dict[k].shape != v.shape or state_dict[k].dtype != v.dtype)
     ]
-    if missing or unexpected or wrong:
-        raise ValueError(
-            f"funcshard.from_state_dict: the state dict does not match "
-            f"{type(model).__name__}: missing {format_names(missing) or 'none'}; unexpected "
-            f"{format_names(unexpected) or 'none'}; differing {format_names(wrong) or 'none'}."
-        )
-    firsts = {name for name, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    fed = feed_tied(model, {k: v for k, v in state_dict.items() if k in firsts})
-    with reparametrized(model, fed):
-        return shard(model, plan, mesh, **options)
+    if not (missing or unexpected or wrong):
+        return None
+    return (
+        f"funcshard.from_state_dict: the state dict does not match "
+        f"{type(model).__name__}: missing {format_names(missing) or 'none'}; unexpected "
+        f"{format_names(unexpected) or 'none'}; differing {format_names(wrong) or 'none'}."
+    )

@@ -251,3 +251,38 @@ def test_funcshards_gather_runs_before_a_users_own_pre_hook_on_the_unit():
     for ours, plain, read, plain_read in testing.run(_users_pre_hook, WORLD):
         assert ours == pytest.approx(plain, rel=1e-6)
         assert read == pytest.approx(plain_read, rel=1e-6)  # the hook saw the real weight
+
+
+def _from_rank0(rank: int) -> dict:
+    from funcshard.testing.models import GPT, Block, GPTConfig
+
+    cfg = GPTConfig(n_layer=2)
+    torch.manual_seed(0)
+    plain = GPT(cfg)  # what rank 0 loaded from disk, say
+    expected = plain.state_dict()
+    with torch.device("meta"):
+        structure = GPT(cfg)
+    plan = fs.plan(structure, policy=fs.policy.module_classes({Block}))
+    out = {}
+    for name, model in (("meta-built", structure), ("CPU-built, other values", GPT(cfg))):
+        given = expected if rank == 0 else None
+        state = fs.from_state_dict(model, given, plan, fs.Mesh(shard=WORLD), from_rank=0)
+        full, buffers = fs.unshard(state), state.buffers
+        out[name] = all(torch.equal(full[k], v) for k, v in plain.named_parameters()) and all(
+            torch.equal(buffers[k], v) for k, v in plain.named_buffers()
+        )
+    try:  # a wrong dict on rank 0: the same error on every rank, before any weight moves
+        bad = {"wte.weight": plain.wte.weight} if rank == 0 else None
+        fs.from_state_dict(structure, bad, plan, fs.Mesh(shard=WORLD), from_rank=0)
+        out["error"] = "no error"
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_set_model_state_dict_broadcast_from_rank0():
+    """test_fully_shard_state_dict.py's broadcast_from_rank0 load: the full dict on rank 0
+    alone, sharded on every rank equal to it (meta- and CPU-built models)."""
+    for out in testing.run(_from_rank0, WORLD):
+        assert out["meta-built"] and out["CPU-built, other values"], out
+        assert "missing 'wpe.weight', 'blocks.0.ln1.weight'" in out["error"], out["error"]
