@@ -221,8 +221,8 @@ def reduce_scatter(
         return Pending(flat, done=True)
     _before("reduce_scatter", group, flat, what)
     eager = _eager(flat)
-    flat, op, post = fp16_mean.divided(flat, op, group.size(), owned)
-    owned = owned or post is not None
+    divided, op, post = fp16_mean.divided(flat, op, group.size(), owned)
+    owned, flat = owned or divided is not flat, divided  # (a divided copy is ours)
     work: dist.Work | exchange.Exchange
     if eager and exchange.is_gloo(group):
         with _below_autograd():

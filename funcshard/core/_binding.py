@@ -67,16 +67,6 @@ def bind(model: nn.Module, layout: Layout) -> Binding:
     return binding
 
 
-def _placeholder(
-    fqn: str, layout: Layout, flat_of: dict[str, int], unit: str, module: nn.Module | None
-) -> Ungathered:
-    """What parameter `fqn`'s slots hold while its unit is not gathered (see [Note:
-    placeholders that refuse to compute] in funcshard/core/_ungathered.py)."""
-    flat = layout.flats[flat_of[fqn]]
-    shape = flat.shapes[flat.fqns.index(fqn)]
-    return Ungathered(shape, flat.dtype, fqn, unit, module)
-
-
 def _build_binding(model: nn.Module, layout: Layout) -> Binding:
     first_fqn = {id(p): n for n, p in model.named_parameters()}
     expected = set(layout.fqns) | set(layout.replicated)
@@ -128,12 +118,13 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
     param_slots = []
     for unit, (flats, slots) in enumerate(zip(unit_flats, slots_by_unit, strict=True)):
         index = {f: k for k, f in enumerate(f for i in flats for f in layout.flats[i].fqns)}
-        param_slots.append(
-            tuple(
-                (slot, index[fqn], _placeholder(fqn, layout, flat_of, units[unit], modules[unit]))
-                for slot, fqn in slots
-            )
-        )
+        placed = []
+        for slot, fqn in slots:  # each slot's placeholder: what it holds while the unit is
+            # not gathered (see [Note: placeholders that refuse to compute])
+            dtype = layout.flats[flat_of[fqn]].dtype
+            placeholder = Ungathered(shape_of[fqn], dtype, fqn, units[unit], modules[unit])
+            placed.append((slot, index[fqn], placeholder))
+        param_slots.append(tuple(placed))
     root = units.index("") if "" in units else None
     # Buckets, and containers such as ModuleList, have no forward that runs (so no hook
     # fires): they stay gathered for the whole call (free on a size-1 shard axis).

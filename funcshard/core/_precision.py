@@ -59,14 +59,11 @@ def reduce_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype:
     return mp.reduce_dtype_for(flat.dtype)
 
 
-def cast_inputs(
-    mp: MixedPrecision | None, args: tuple, kwargs: dict, dtype: torch.dtype | None = None
-) -> tuple[tuple, dict]:
-    """Floating-point inputs cast to `mp.param_dtype` (or to `dtype`, a unit's compute
-    dtype) when the policy asks for it."""
+def cast_inputs(mp: MixedPrecision | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Floating-point inputs cast to `mp.param_dtype` when the policy asks for it."""
     if mp is None or not mp.cast_inputs or mp.param_dtype is None:
         return args, kwargs
-    to = dtype or mp.param_dtype
+    to = mp.param_dtype
 
     def cast(x: Any) -> Any:
         if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != to:
@@ -83,14 +80,12 @@ def cast_inputs(
     )  # type: ignore[return-value]
 
 
-def unit_input_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype | None:
-    """The dtype a unit's floating-point inputs are cast to when it runs, as FSDP2 casts
-    each module's: `mp.param_dtype`, so an fp32 activation (a buffer added, a keep_fp32
-    unit's output) reaches the next unit in its compute dtype. None when nothing is cast,
-    and for keep_fp32 units, which take their inputs as they come, as before."""
-    if mp is None or not mp.cast_inputs or mp.param_dtype is None or flat.keep_fp32:
-        return None
-    return mp.param_dtype
+def casts_unit_inputs(mp: MixedPrecision | None, flat: FlatLayout) -> bool:
+    """Whether a unit's floating-point inputs are cast (`cast_inputs`) when it runs, as
+    FSDP2 casts each module's, so an fp32 activation (a buffer added, a keep_fp32 unit's
+    output) reaches the next unit in its compute dtype. Not for keep_fp32 units, which take
+    their inputs as they come, as before."""
+    return mp is not None and mp.cast_inputs and mp.param_dtype is not None and not flat.keep_fp32
 
 
 def cast_outputs(mp: MixedPrecision | None, out: Any) -> Any:

@@ -44,7 +44,7 @@ def from_rank(
     """The state `shard` would make of `model` holding global rank `source`'s `state_dict`
     (the other ranks' is not read). `mismatch` says what is wrong with a dict, if anything.
 
-    Communicates: two broadcasts of the holder's verdict, what `shard` does, one broadcast
+    Communicates: an all-gather of the holder's verdict, what `shard` does, one broadcast
     per flat buffer, and one per replicated parameter and buffer."""
     if source not in mesh.ranks:
         raise ValueError(
@@ -86,13 +86,6 @@ def _zeros_like_shards(model: nn.Module, plan: Plan, mesh: Mesh, **options: Any)
 
 
 def _agreed(problem: str | None, mesh: Mesh, source: int) -> str:
-    """`source`'s `problem` (or ""), on every rank: its length, then its bytes."""
-    text = (problem or "").encode()
-    length = torch.tensor([len(text)], dtype=torch.int64, device=mesh.device)
-    length = collectives.broadcast(length, mesh.group, source)
-    if int(length.item()) == 0:
-        return ""
-    data = torch.zeros(int(length.item()), dtype=torch.uint8, device=mesh.device)
-    if text:
-        data = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(mesh.device)
-    return bytes(collectives.broadcast(data, mesh.group, source).tolist()).decode()
+    """`source`'s `problem` (or ""), on every rank of the mesh."""
+    reports = collectives.all_gather_object(problem, mesh.group)
+    return reports[process_groups.group_ranks(mesh.group).index(source)] or ""

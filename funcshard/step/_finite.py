@@ -241,7 +241,8 @@ def _gathered(
 def judged(loss: Tensor | None, grads: Any, policy: str, across_replicas: bool, where: str) -> Any:
     """`grads` after the check `policy` asks for (see `policy`): "raise" raises here when
     some rank's loss or gradients are not finite; "skip" gives sharded gradients their
-    verdict (none when traced); "off" leaves them alone."""
+    verdict (see `issue`: a graph node when dynamo traces, none under make_fx); "off"
+    leaves them alone."""
     if policy == "raise":
         check(loss, grads, where, across_replicas)
     elif policy == "skip" and isinstance(grads, ShardedGrads):

@@ -72,7 +72,7 @@ def from_state_dict(
     the mesh calls it.
 
     Communicates: what `shard` does; with `from_rank`, also one broadcast per flat buffer,
-    replicated parameter and buffer, and two for the check's verdict.
+    replicated parameter and buffer, and one all-gather of the check's verdict.
     """
     if from_rank is not None:
         return broadcast_load.from_rank(

@@ -282,33 +282,58 @@ def install_hooks(binding: Binding, run: Run) -> list[Any]:
     # own pre-hook on a unit's module (torch's weight_norm computes the weight in one) reads
     # the gathered parameters, not placeholders
     handles = []
-    depth = [0] * len(binding.unit_names)  # how deep each unit is entered (forward, methods)
+    entries = _Entries(run, binding)
     for unit, module in enumerate(binding.unit_modules):
         if unit in binding.whole_call:
             continue
         assert module is not None  # a unit without a module (buckets) is a whole-call one
-        dtype = _input_dtype(run, binding, unit)
-        if dtype is None:
-            enter = _pre_hook(run, unit, depth)
-            handles.append(module.register_forward_pre_hook(enter, prepend=True))
+        if entries.casts[unit]:
+            hook = _casting_pre_hook(entries, unit)
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
         else:
-            casting = _casting_pre_hook(run, unit, depth, dtype)
-            handles.append(
-                module.register_forward_pre_hook(casting, with_kwargs=True, prepend=True)
-            )
-        handles.append(
-            module.register_forward_hook(_post_hook(run, unit, depth), always_call=True)
-        )
+            handles.append(module.register_forward_pre_hook(_pre_hook(entries, unit), prepend=True))
+        handles.append(module.register_forward_hook(_post_hook(entries, unit), always_call=True))
     handles += [
         module.register_forward_pre_hook(_relink_hook(run, units), prepend=True)
         for module, units in binding.relinks
     ]
     if run.layout.unit_methods:
-        handles.extend(_wrap_methods(binding, run, depth))
+        handles.extend(_wrap_methods(binding, run, entries))
     return handles
 
 
-def _wrap_methods(binding: Binding, run: Run, depth: list[int]) -> list[Any]:
+class _Entries:
+    """Enters and leaves units for the hooks and the wrapped methods of one call, counting
+    how deep each is entered, so a method that calls forward (or forward that calls it)
+    gathers its unit once."""
+
+    def __init__(self, run: Run, binding: Binding) -> None:
+        self.run, self.mp = run, run.state.mp
+        self.depth = [0] * len(binding.unit_names)
+        # whose inputs are cast as they run (see `precision.casts_unit_inputs`)
+        flats = run.layout.flats
+        self.casts = [
+            precision.casts_unit_inputs(self.mp, flats[unit_flats[0]]) if unit_flats else False
+            for unit_flats in binding.unit_flats
+        ]
+
+    def enter(self, unit: int) -> bool:
+        """Enter `unit` unless it is already entered; whether this entered it."""
+        self.depth[unit] += 1
+        if self.depth[unit] != 1:
+            return False
+        chaos.point()
+        self.run.enter(unit)
+        return True
+
+    def leave(self, unit: int) -> None:
+        self.depth[unit] -= 1
+        if self.depth[unit] == 0:
+            chaos.point()
+            self.run.leave(unit)
+
+
+def _wrap_methods(binding: Binding, run: Run, entries: _Entries) -> list[Any]:
     """Wrap the plan's other methods of each unit's module, for this call, so that calling
     one gathers the unit (see [Note: units called through other methods] in
     funcshard/core/_unit_methods.py)."""
@@ -320,30 +345,21 @@ def _wrap_methods(binding: Binding, run: Run, depth: list[int]) -> list[Any]:
         if unit in binding.whole_call or module is None:
             continue
         for method in methods:
-            handles.append(_Wrapped(module, method, _gathering(run, unit, depth, module, method)))
+            handles.append(_Wrapped(module, method, _gathering(entries, unit, module, method)))
     return handles
 
 
-def _gathering(
-    run: Run, unit: int, depth: list[int], module: nn.Module, method: str
-) -> Callable[..., Any]:
+def _gathering(entries: _Entries, unit: int, module: nn.Module, method: str) -> Callable[..., Any]:
     original = getattr(module, method)
-    dtype = _input_dtype(run, run.binding, unit)
 
     @functools.wraps(original)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        depth[unit] += 1
         try:
-            if depth[unit] == 1:
-                chaos.point()
-                run.enter(unit)
-                if dtype is not None:
-                    args, kwargs = precision.cast_inputs(run.state.mp, args, kwargs, dtype)
+            if entries.enter(unit) and entries.casts[unit]:
+                args, kwargs = precision.cast_inputs(entries.mp, args, kwargs)
             return original(*args, **kwargs)
         finally:
-            depth[unit] -= 1
-            if depth[unit] == 0:
-                run.leave(unit)
+            entries.leave(unit)
 
     return wrapped
 
@@ -375,46 +391,28 @@ def _relink_hook(run: Run, units: tuple[int, ...]) -> Callable[..., None]:
     return hook
 
 
-def _pre_hook(run: Run, unit: int, depth: list[int]) -> Callable[..., None]:
+def _pre_hook(entries: _Entries, unit: int) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any) -> None:
-        depth[unit] += 1
-        if depth[unit] == 1:  # (not when a wrapped method calls forward)
-            chaos.point()
-            run.enter(unit)
+        entries.enter(unit)
 
     return hook
 
 
-def _casting_pre_hook(
-    run: Run, unit: int, depth: list[int], dtype: torch.dtype
-) -> Callable[..., tuple[tuple, dict] | None]:
-    """`_pre_hook` that also casts the unit's floating-point inputs to `dtype`, its
-    compute dtype (as FSDP2 casts each module's: a unit after an fp32 buffer's add, or
-    after a keep_fp32 unit, gets its own dtype's inputs)."""
-    mp = run.state.mp
+def _casting_pre_hook(entries: _Entries, unit: int) -> Callable[..., tuple[tuple, dict] | None]:
+    """`_pre_hook` that also casts the unit's floating-point inputs to `param_dtype` (as
+    FSDP2 casts each module's: a unit after an fp32 buffer's add, or after a keep_fp32
+    unit, gets its compute dtype's inputs)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        depth[unit] += 1
-        if depth[unit] != 1:
+        if not entries.enter(unit):
             return None
-        chaos.point()
-        run.enter(unit)
-        return precision.cast_inputs(mp, args, kwargs, dtype)
+        return precision.cast_inputs(entries.mp, args, kwargs)
 
     return hook
 
 
-def _input_dtype(run: Run, binding: Binding, unit: int) -> torch.dtype | None:
-    """What a unit's inputs are cast to when it runs (None: left alone)."""
-    flat = run.layout.flats[binding.unit_flats[unit][0]]
-    return precision.unit_input_dtype(run.state.mp, flat)
-
-
-def _post_hook(run: Run, unit: int, depth: list[int]) -> Callable[..., None]:
+def _post_hook(entries: _Entries, unit: int) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        depth[unit] -= 1
-        if depth[unit] == 0:
-            chaos.point()
-            run.leave(unit)
+        entries.leave(unit)
 
     return hook
