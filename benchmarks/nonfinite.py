@@ -1,7 +1,9 @@
-"""What the default non-finite check costs a step: `check_finite="skip"` (the default) against
-`"off"`, interleaved in one process, on the overhead matrix's fake group and on real gloo ranks.
+"""What the step's default checks cost: `check_finite="skip"` (the default) against `"off"`,
+or (`--what unused`) tracking unused parameters (`unused="skip"`, the default) against
+`unused="zeros"`, interleaved in one process, on the overhead matrix's fake group and on
+real gloo ranks.
 
-    python -m benchmarks.nonfinite [--rounds 30] [--gloo-rounds 12]
+    python -m benchmarks.nonfinite [--what finite|unused] [--rounds 30] [--gloo-rounds 12]
 
 The check is a sum over each gradient shard, one all-gather of (buffers + 3) int64 after the
 step's last reduction, and one read of the flags by the optimizer (see [Note: non-finite
@@ -9,7 +11,11 @@ steps skipped by default] in funcshard/step/_finite.py). Both modes carry the sa
 and gloo headers (free: see [Note: the collectives' trail], [Note: the exchange's header in
 its tag]). The fake group's cells are the overhead matrix's GPT rows (32 blocks, d 64,
 batch 1x16, one thread, `opt.step`); the gloo rows are benchmarks/training.py's 14M GPT on
-2 ranks. Medians of interleaved rounds; the ratio is skip / off.
+2 ranks. Medians of interleaved rounds; the ratio is the default's over the other mode's.
+Unused parameters are noted by the gathers' backwards, ride the check's all-gather as a few
+int64 words and are read by the optimizer (see [Note: unused parameters] in
+funcshard/step/_usage.py): every parameter is used in these steps, so it measures what the
+tracking costs a step that skips nothing.
 """
 
 from __future__ import annotations
@@ -29,15 +35,21 @@ from benchmarks.training import CFG
 from funcshard import testing
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
-MODES = ("off", "skip")
+# per comparison: (the other mode, its value_and_grad options), then the default's
+COMPARISONS = {
+    "finite": (("off", {"check_finite": "off"}), ("skip", {})),
+    "unused": (("zeros", {"unused": "zeros"}), ("skip", {})),
+}
 FAKE_MESHES = {"FSDP": (1, 8), "HSDP 2x4": (2, 4), "DDP": (8, 1)}
 
 
-def _steps(cfg: GPTConfig, mesh: fs.Mesh, batch: int, rank: int, replicate: bool) -> dict:
+def _steps(
+    cfg: GPTConfig, mesh: fs.Mesh, batch: int, rank: int, replicate: bool, what: str
+) -> dict:
     """One AdamW `opt.step` per mode on its own state, the same batch."""
     x, y = random_tokens(cfg, batch, seed=rank)
     steps = {}
-    for mode in MODES:
+    for mode, options in COMPARISONS[what]:
         with torch.device("meta"):
             model = GPT(cfg)
         if replicate:
@@ -47,7 +59,7 @@ def _steps(cfg: GPTConfig, mesh: fs.Mesh, batch: int, rank: int, replicate: bool
         opt = fs.optim.adamw(1e-3)
         box = {"state": state, "opt": opt.init(state)}
         grad_fn = fs.value_and_grad(
-            functools.partial(lambda m, s: lm_loss(fs.call(m, s, x), y), model), check_finite=mode
+            functools.partial(lambda m, s: lm_loss(fs.call(m, s, x), y), model), **options
         )
 
         def step(box=box, grad_fn=grad_fn, opt=opt) -> None:
@@ -58,8 +70,8 @@ def _steps(cfg: GPTConfig, mesh: fs.Mesh, batch: int, rank: int, replicate: bool
     return steps
 
 
-def _row(where: str, samples: dict[str, list[float]]) -> list:
-    off, skip = (statistics.median(samples[m]) for m in MODES)
+def _row(where: str, samples: dict[str, list[float]], what: str) -> list:
+    off, skip = (statistics.median(samples[m]) for m, _ in COMPARISONS[what])
     return [
         where,
         f"{off * 1e3:.2f}",
@@ -69,7 +81,7 @@ def _row(where: str, samples: dict[str, list[float]]) -> list:
     ]
 
 
-def fake_rows(rounds: int) -> list[list]:
+def fake_rows(rounds: int, what: str = "finite") -> list[list]:
     """The overhead matrix's GPT cells (batch 1, one thread) on a fake group of 8."""
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=32, n_head=2, d_model=64)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
@@ -79,34 +91,37 @@ def fake_rows(rounds: int) -> list[list]:
         rows = []
         for name, (replicate, shard) in FAKE_MESHES.items():
             mesh = fs.Mesh(replicate=replicate, shard=shard)
-            steps = _steps(cfg, mesh, 1, 0, replicate=shard == 1)
+            steps = _steps(cfg, mesh, 1, 0, replicate=shard == 1, what=what)
             samples = interleaved_samples(steps, warmup=3, rounds=rounds, settle=1)
-            rows.append(_row(f"fake group of 8, {name}", samples))
+            rows.append(_row(f"fake group of 8, {name}", samples, what))
         return rows
     finally:
         torch.set_num_threads(threads)
         dist.destroy_process_group()
 
 
-def _gloo_samples(rounds: int, rank: int) -> dict[str, list[float]]:
-    steps = _steps(CFG, fs.Mesh(shard=2), 2, rank, replicate=False)
+def _gloo_samples(rounds: int, what: str, rank: int) -> dict[str, list[float]]:
+    steps = _steps(CFG, fs.Mesh(shard=2), 2, rank, replicate=False, what=what)
     return interleaved_samples(steps, warmup=2, rounds=rounds, settle=1)
 
 
-def gloo_row(rounds: int) -> list:
+def gloo_row(rounds: int, what: str = "finite") -> list:
     """benchmarks/training.py's 14M GPT on 2 gloo ranks, FSDP; each rank's medians averaged."""
-    per_rank = testing.run(functools.partial(_gloo_samples, rounds), world_size=2, timeout=1800)
-    samples = {m: [statistics.median(r[m]) for r in per_rank] for m in MODES}
-    return _row("2 gloo ranks, 14M GPT, FSDP", samples)
+    task = functools.partial(_gloo_samples, rounds, what)
+    per_rank = testing.run(task, world_size=2, timeout=1800)
+    samples = {m: [statistics.median(r[m]) for r in per_rank] for m, _ in COMPARISONS[what]}
+    return _row("2 gloo ranks, 14M GPT, FSDP", samples, what)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30, help="fake group rounds per cell")
     parser.add_argument("--gloo-rounds", type=int, default=12)
+    parser.add_argument("--what", choices=tuple(COMPARISONS), default="finite")
     args = parser.parse_args()
-    rows = [*fake_rows(args.rounds), gloo_row(args.gloo_rounds)]
-    headers = ["step", "off ms", "skip ms (default)", "skip - off ms", "skip / off"]
+    rows = [*fake_rows(args.rounds, args.what), gloo_row(args.gloo_rounds, args.what)]
+    other = COMPARISONS[args.what][0][0]
+    headers = ["step", f"{other} ms", "skip ms (default)", f"skip - {other} ms", f"skip / {other}"]
     print(tabulate(rows, headers=headers, tablefmt="github"))
 
 

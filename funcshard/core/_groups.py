@@ -60,6 +60,7 @@ class GroupView:
         if values is None and source is None:
             raise ValueError("GroupView needs its values or the leaves to pack them from")
         self._values = None if values is None else tuple(values)
+        self.unused: frozenset[str] = frozenset()  # a grads' view: its parameters no rank used
         self.layout = layout
         self.parts = parts
         self.source = source
@@ -102,7 +103,11 @@ def group_of(container: Any, members: frozenset[str]) -> Any:
         )
     ensure_live(container, "partition")
     layout = container.layout
-    return GroupView(None, layout, group_parts(layout, members), tuple(container.leaves()))
+    view = GroupView(None, layout, group_parts(layout, members), tuple(container.leaves()))
+    unused = getattr(container, "unused", None)  # a ShardedGrads' (see funcshard/step/_usage.py)
+    if unused:
+        view.unused = unused & members
+    return view
 
 
 def scatter(group: Any, updates: Any, into: list[Tensor | None], keys: list | None) -> None:

@@ -100,7 +100,17 @@ class ShardedGrads:
     # whether every rank's loss and gradients were finite (funcshard/step/_finite.py): not
     # a pytree field, so a tree map's result carries none
     verdict: Any = field(default=None, repr=False)
+    # which parameters no rank used (funcshard/step/_usage.py): not a pytree field either
+    usage: Any = field(default=None, repr=False)
     _donated_to: ClassVar[str | None] = None
+
+    @property
+    def unused(self) -> frozenset[str]:
+        """The parameters no rank's loss reached this step (torch.optim's `.grad is None`):
+        their gradients are zeros, and funcshard's optimizers leave them and their state
+        alone (see [Note: unused parameters] in funcshard/step/_usage.py). Empty when not
+        tracked (a traced step, `unused="zeros"`)."""
+        return frozenset() if self.usage is None else self.usage.unused()
 
     def leaves(self) -> list[Tensor | None]:
         """The shards, then the replicated gradients in `layout.replicated` order: in step
@@ -126,6 +136,9 @@ class LocalGrads:
 
     grads: dict[str, Tensor | None]
     layout: Layout
+    # the parameters this rank's loss did not reach (see [Note: unused parameters] in
+    # funcshard/step/_usage.py), agreed over the ranks by `funcshard.reduce`; None: untracked
+    unused: frozenset[str] | None = field(default=None, repr=False)
 
 
 register_record(

@@ -387,6 +387,9 @@ def _read(directory: str, state: ShardedState, opt_state: Any, per_rank: Any) ->
     )
     routed, kept, scalars, problems = plan.route(template, like_scalars)
     saved = dcp.dcp_sizes(directory)
+    for key in [k for k in routed if k not in saved and checkpoint_match.migrated(k)]:
+        kept.append(rank_values.base_key(key))  # an older format's: like's values stay
+        del routed[key]
     numbers = set(scalars) if meta.get("scalars") is not None else set()
     report = (sorted({rank_values.base_key(k) for k in routed} | set(kept) | numbers),
               problems, checkpoint_match.shape_problems(saved, routed))  # fmt: skip

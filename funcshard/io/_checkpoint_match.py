@@ -10,6 +10,7 @@ the same error on every rank, naming the keys, before DCP reads anything.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -108,6 +109,7 @@ def agree_on_keys(directory, saved, meta, report, with_optim, group) -> None:
     if not with_optim:  # parameters alone: the optimizer state stays on disk
         stored = {k for k in stored if not k.startswith("optim/")}
     missing = sorted({k for r in reports for k in r[0]} - stored - {"extra"})
+    missing = [k for k in missing if not migrated(k)]  # (a newer format's: like's stay)
     unexpected = sorted(stored - wanted)
     wrong = sorted({p for r in reports for p in r[2]})
     refused = sorted({p for r in reports for p in r[1]})
@@ -138,3 +140,14 @@ def warn_casts(directory: str, routed: dict) -> None:
             f"dtypes to keep the values exact.",
             stacklevel=4,
         )
+
+
+_NEWER = re.compile(r"(^optim/|\.)skipped_steps\[")
+
+
+def migrated(key: str) -> bool:
+    """Whether `key` belongs to an optimizer state format newer than some checkpoints, which
+    then load keeping like's values for it: Adam's per-parameter counts of skipped steps,
+    zeros in a fresh state (see [Note: optimizers skip unused parameters] in
+    funcshard/optim/_unused.py)."""
+    return _NEWER.search(key) is not None

@@ -5,7 +5,8 @@ tensors (see [Note: optimizers] in funcshard/optim/__init__.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -13,6 +14,7 @@ from torch import Tensor
 
 from funcshard.core._state import ShardedState
 from funcshard.core._state import donate as donate_record
+from funcshard.optim import _unused as unused
 from funcshard.optim._base import Optimizer, _state_record
 from funcshard.optim._leaves import with_leaves
 from funcshard.optim._params import _like, _live, _param_leaves, _zeros_like
@@ -32,15 +34,18 @@ class SgdState:
 
 @dataclass(frozen=True, eq=False)
 class AdamState:
-    """Step count and the first and second moments per parameter leaf."""
+    """Step count, the first and second moments per parameter leaf, and per parameter FQN
+    the steps it sat out unused (its own count is `step - skipped_steps[fqn]`: see [Note:
+    optimizers skip unused parameters] in funcshard/optim/_unused.py)."""
 
     step: Tensor
     exp_avg: tuple[Tensor | None, ...]
     exp_avg_sq: tuple[Tensor | None, ...]
+    skipped_steps: Mapping[str, Tensor] = field(default_factory=dict)
 
 
 _state_record(SgdState, ("step", "momentum"))
-_state_record(AdamState, ("step", "exp_avg", "exp_avg_sq"))
+_state_record(AdamState, ("step", "exp_avg", "exp_avg_sq", "skipped_steps"))
 
 
 def _steps_in_place(params: Any, leaves: list[Tensor]) -> bool:
@@ -97,7 +102,13 @@ def sgd(
         rate, step = _lr_at(lr, state.step), state.step + 1
         updates: list[Tensor | None] = [None] * len(state.momentum)
         momenta = list(state.momentum)
+        # parameters no rank used move not at all (see [Note: optimizers skip unused parameters])
+        idle = unused.idle(grads, params)
+        if idle is not None:
+            donate = False  # the old momenta stay where a mask holds
         for i, p, g in _live(grads, params):
+            if idle is not None and idle[i] is True:
+                continue
             # torch.optim.sgd's single-tensor kernel, writing the update instead of the param
             if weight_decay:
                 g = g.add_(p, alpha=weight_decay) if donate else g.add(p, alpha=weight_decay)
@@ -112,6 +123,12 @@ def sgd(
                 momenta[i] = buf
                 g = g.add(buf, alpha=momentum) if nesterov else buf
             updates[i] = g.mul_(-rate) if donate and g is not momenta[i] else g.mul(-rate)
+            hold = None if idle is None else idle[i]
+            if isinstance(hold, Tensor):
+                updates[i] = _kept(hold, None, cast(Tensor, updates[i]))
+                old, new = state.momentum[i], momenta[i]
+                if old is not None and new is not None:
+                    momenta[i] = _kept(hold, old, new)
         return _like(grads, updates, donate), SgdState(step=step, momentum=tuple(momenta))
 
     return Optimizer(init, update)
@@ -170,7 +187,10 @@ def _adam_family(
 
     def init(params: Any) -> AdamState:
         return AdamState(
-            step=torch.zeros(()), exp_avg=_zeros_like(params), exp_avg_sq=_zeros_like(params)
+            step=torch.zeros(()),
+            exp_avg=_zeros_like(params),
+            exp_avg_sq=_zeros_like(params),
+            skipped_steps=unused.zero_counts(params),
         )
 
     def decays(params: Any) -> list[bool | Tensor]:
@@ -242,6 +262,9 @@ def _adam_family(
     def update(
         grads: Any, state: AdamState, params: Any, donate: bool = False
     ) -> tuple[Any, AdamState]:
+        idle = unused.idle(grads, params)
+        if idle is not None or unused.any_lag(state.skipped_steps):
+            return masked_update(grads, state, params, idle)
         rate, step = _lr_at(lr, state.step), state.step + 1
         # a traced step keeps the count a tensor (int() would break the graph); torch's
         # fused kernel has no functional form to trace, so tracing takes the unfused math
@@ -306,13 +329,76 @@ def _adam_family(
             if m.is_complex():
                 update = torch.view_as_complex(update)
             updates[i], m_all[i], v_all[i] = update, m, v
-        new_state = AdamState(step=step, exp_avg=tuple(m_all), exp_avg_sq=tuple(v_all))
+        new_state = AdamState(
+            step=step,
+            exp_avg=tuple(m_all),
+            exp_avg_sq=tuple(v_all),
+            skipped_steps=state.skipped_steps,
+        )
         return _like(grads, updates, donate), new_state
+
+    def masked_update(
+        grads: Any, state: AdamState, params: Any, idle: list[bool | Tensor] | None
+    ) -> tuple[Any, AdamState]:
+        """The update when some parameter sat this step or an earlier one out (see [Note:
+        optimizers skip unused parameters]): torch.optim.adam's single-tensor math with each
+        parameter's own step count, an unused parameter's moments kept and its update zero."""
+        rate, step = _lr_at(lr, state.step), state.step + 1
+        skipped = unused.skipped_after(state.skipped_steps, grads)
+        counts = unused.counts(int(step), unused.lags(skipped) or {}, params)  # (never traced)
+        updates: list[Tensor | None] = [None] * len(state.exp_avg)
+        m_all, v_all = list(state.exp_avg), list(state.exp_avg_sq)
+        decay_of = decays(params)
+        for i, p, g in _live(grads, params):
+            hold = False if idle is None else idle[i]
+            if hold is True:
+                continue
+            # torch's bias corrections in double, then (per element) in the param's dtype
+            n, real = counts[i], p.real.dtype if p.is_complex() else p.dtype
+            step_size: float | Tensor = rate / (1 - beta1**n)
+            bias_correction2_sqrt: float | Tensor = (1 - beta2**n) ** 0.5
+            if isinstance(step_size, Tensor) and isinstance(bias_correction2_sqrt, Tensor):
+                step_size, bias_correction2_sqrt = (
+                    step_size.to(real),
+                    bias_correction2_sqrt.to(real),
+                )
+                if p.is_complex():  # (per element of the pairs below)
+                    step_size = step_size.unsqueeze(-1)
+                    bias_correction2_sqrt = bias_correction2_sqrt.unsqueeze(-1)
+            m_old, v_old = cast(Tensor, m_all[i]), cast(Tensor, v_all[i])
+            m, v = m_old.clone(), v_old.clone()
+            decay = decay_of[i]
+            decayed = p if decay is True else p * decay
+            if p.is_complex():  # as pairs of reals, as torch.optim does
+                g_r, decayed = torch.view_as_real(g), torch.view_as_real(decayed)
+                m_r, v_r = torch.view_as_real(m), torch.view_as_real(v)
+            else:
+                g_r, m_r, v_r = g, m, v
+            if weight_decay and not decoupled:
+                g_r = g_r.add(decayed, alpha=weight_decay)
+            m_r.lerp_(g_r, 1 - beta1)
+            v_r.mul_(beta2).addcmul_(g_r, g_r, value=1 - beta2)
+            denom = v_r.sqrt().div_(bias_correction2_sqrt).add_(eps)
+            update = torch.div(m_r, denom).mul_(-step_size)
+            if weight_decay and decoupled:
+                update.add_(decayed, alpha=-rate * weight_decay)
+            if m.is_complex():
+                update = torch.view_as_complex(update)
+            if isinstance(hold, Tensor):
+                update = _kept(hold, None, update)
+                m, v = _kept(hold, m_old, m), _kept(hold, v_old, v)
+            updates[i], m_all[i], v_all[i] = update, m, v
+        new_state = AdamState(
+            step=step, exp_avg=tuple(m_all), exp_avg_sq=tuple(v_all), skipped_steps=skipped
+        )
+        return _like(grads, updates), new_state
 
     def fused_step(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState] | None:
         live = _live(grads, params)
         if torch.compiler.is_dynamo_compiling():
             return None  # see update(): tracing takes the unfused math
+        if unused.unused_of(grads) or unused.any_lag(state.skipped_steps):
+            return None  # see masked_update
         if not _steps_in_place(params, [p for _, p, _ in live]):
             return None
         rate, step = _lr_at(lr, state.step), state.step + 1
@@ -335,7 +421,20 @@ def _adam_family(
                 if decay_of[i] is not True:
                     m, v = m_all[i], v_all[i]
                     fused_step_of(p, g, m, v, step, rate, decay_of[i], True)
-        new_state = AdamState(step=step, exp_avg=state.exp_avg, exp_avg_sq=state.exp_avg_sq)
+        new_state = AdamState(
+            step=step,
+            exp_avg=state.exp_avg,
+            exp_avg_sq=state.exp_avg_sq,
+            skipped_steps=state.skipped_steps,
+        )
         return _donated_params(params, grads, "Optimizer.step"), new_state
 
     return Optimizer(init, update, fused_step)
+
+
+def _kept(where: Tensor, old: Tensor | None, new: Tensor) -> Tensor:
+    """`new` with `old` (zero when None) where the idle mask `where` holds; a complex
+    tensor's mask covers both parts."""
+    if old is None:
+        return new.masked_fill(where, 0)
+    return torch.where(where, old, new)

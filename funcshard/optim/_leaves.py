@@ -45,13 +45,20 @@ def with_leaves(tree: Any, new: list[Any]) -> Any:
         shards, replicated = tuple(new[:n]), dict(zip(layout.replicated, new[n:], strict=True))
         if isinstance(tree, ShardedState):
             return tree.replace(shards=shards, replicated=replicated)
-        # the verdict stays with gradients transformed leaf by leaf (a clip, an unscale):
-        # see [Note: non-finite steps skipped by default] in funcshard/step/_finite.py
+        # the verdict and the usage stay with gradients transformed leaf by leaf (a clip,
+        # an unscale): see [Note: non-finite steps skipped by default] in
+        # funcshard/step/_finite.py and [Note: unused parameters] in funcshard/step/_usage.py
         return ShardedGrads(
-            shards=shards, layout=layout, replicated=replicated, verdict=tree.verdict
+            shards=shards,
+            layout=layout,
+            replicated=replicated,
+            verdict=tree.verdict,
+            usage=tree.usage,
         )
     if isinstance(tree, GroupView):
-        return GroupView(tuple(new), tree.layout, tree.parts)
+        view = GroupView(tuple(new), tree.layout, tree.parts)
+        view.unused = tree.unused
+        return view
     if isinstance(tree, Mapping):
         return dict(zip(tree.keys(), new, strict=True))
     return type(tree)(new)

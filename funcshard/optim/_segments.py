@@ -138,6 +138,13 @@ class Segments:
                 out.append(torch.cat([p, p.new_zeros(1)])[owner])
         return out
 
+    def per_element(self, i: int, per_param: Sequence[bool] | Tensor, fill: Any = False) -> Tensor:
+        """Leaf `i`'s elements (a flat shard's) each given its owner's value of `per_param`
+        (one per `fqns[i]`), padding `fill`: `expand` for one leaf, from a list too."""
+        values = torch.as_tensor(per_param, device=self._device)
+        padding = torch.as_tensor(fill, dtype=values.dtype, device=self._device).reshape(1)
+        return torch.cat([values, padding])[_owner_index(self._leaves[i], self._device)]
+
     def mask(self, where: Where) -> list[bool | Tensor]:
         """Per leaf, where `where` holds: a bool for a whole tensor, a bool tensor (padding
         False) for a flat shard."""

@@ -67,6 +67,7 @@ from funcshard.planning import _dryrun as dryrun
 from funcshard.planning._attention_kernels import Target
 from funcshard.planning._dryrun import Phases
 from funcshard.planning._metabytes import MetaBytes
+from funcshard.step import _usage as usage
 
 
 def format_bytes(n: int | float) -> str:
@@ -265,9 +266,11 @@ def estimate(
 
 def _checks(layout: Any, replicate: int, shard: int) -> int:
     """What the default non-finite verdict sends per rank: its flags (one per buffer and
-    replicated parameter, the loss's, the collectives' trail: int64) to every other rank
-    (see [Note: non-finite steps skipped by default] in funcshard/step/_finite.py)."""
-    flags = len(layout.flats) + len(layout.replicated) + 3
+    replicated parameter, the loss's, the collectives' trail: int64) and the unused
+    parameters' words to every other rank (see [Note: non-finite steps skipped by default]
+    in funcshard/step/_finite.py, [Note: unused parameters] in funcshard/step/_usage.py)."""
+    words = len(usage.words_of(layout, frozenset()))
+    flags = len(layout.flats) + len(layout.replicated) + 3 + words
     return flags * 8 * (replicate * shard - 1)
 
 

@@ -17,6 +17,7 @@ import optree
 import torch
 from torch import Tensor
 
+from funcshard.comm import _collectives as collectives
 from funcshard.comm import _failures as failures
 from funcshard.comm import _waits as waits
 from funcshard.comm._comm import Comm
@@ -27,6 +28,7 @@ from funcshard.core._state import LocalGrads, ShardedGrads, ShardedState, ensure
 from funcshard.step import _finite as finite
 from funcshard.step import _gc_pause as gc_pause
 from funcshard.step import _host_memory as host_memory
+from funcshard.step import _usage as usage
 from funcshard.step._carry import check_carry
 from funcshard.step._deferred_reduce import abandon_reduces
 from funcshard.step._gather_spec import Differentiated, specs_and_sinks
@@ -44,6 +46,7 @@ def value_and_grad(
     check_finite: bool | str = "skip",
     comm: Comm | None = None,
     carry: Any = None,
+    unused: str = "skip",
 ) -> Callable[..., tuple[Any, ...]]:
     """Return a function computing `f(params, *args)` and its gradient w.r.t. `params`.
 
@@ -63,6 +66,11 @@ def value_and_grad(
     that names none itself; `carry` is its reduce's state, one entry per flat buffer
     (`funcshard.carry_zeros(state)` to start), and then the result is `(value, grads,
     new_carry)` (see [Note: communication as user functions]).
+    `unused` says what optimizers do with parameters no rank's loss reached: "skip" (the
+    default, torch.optim's rule for `.grad is None`: the gradients are zeros, the record's
+    `unused` names them, and funcshard's optimizers leave them and their state alone) or
+    "zeros" (they move like any parameter with a zero gradient); see [Note: unused
+    parameters]. Eager steps only: a traced step counts every parameter as used.
     Communicates (sharded): per unit one all-gather in forward, one more in backward when
     resharded after forward (not for the unit that ran last, kept for backward), and one
     reduce-scatter; one all-reduce per unit on HSDP meshes.
@@ -79,6 +87,7 @@ def value_and_grad(
             f"reduce=...), got {type(comm).__name__}."
         )
     checking = finite.policy(check_finite, "value_and_grad")
+    tracking = usage.policy(unused, "value_and_grad") == "skip"
     if carry is not None and (comm is None or comm.reduce is None or not reduce):
         why = "reduce=False leaves the reduce to funcshard.reduce" if comm else "no comm"
         raise ValueError(
@@ -117,6 +126,7 @@ def value_and_grad(
                     checked,
                     args,
                     kwargs,
+                    tracking,
                 )
             else:
                 value, grads = gc_pause.paused(  # see [Note: no garbage collection inside a step]
@@ -129,6 +139,8 @@ def value_and_grad(
                     args,
                     kwargs,
                     comm,
+                    False,
+                    tracking,
                 )
             # see [Note: host memory kept between steps]
             host_memory.keep_for(params.layout.mesh.device_type)
@@ -181,12 +193,14 @@ def _value(loss: Tensor, aux: Any, has_aux: bool) -> Any:
     )
 
 
-def _carried_value_and_grad(f, has_aux, state, all_reduce, prefetch, comm, carry, args, kwargs):
+def _carried_value_and_grad(
+    f, has_aux, state, all_reduce, prefetch, comm, carry, args, kwargs, tracking
+):
     """value_and_grad with a reduce that carries state: backward leaves each buffer's whole
     gradient in its sink, then the reduce runs once per buffer (see [Note: communication as
     user functions]: a stateful reduce must see all of a buffer's gradient at once)."""
-    value, (fulls, local_replicated) = _sharded_value_and_grad(
-        f, has_aux, state, "none", prefetch, args, kwargs, comm, keep_flat=True
+    value, (fulls, local_replicated, unused) = _sharded_value_and_grad(
+        f, has_aux, state, "none", prefetch, args, kwargs, comm, keep_flat=True, tracking=tracking
     )
     specs, _ = specs_and_sinks(state, comm)
     shards, new_carry = [], []
@@ -200,7 +214,9 @@ def _carried_value_and_grad(f, has_aux, state, all_reduce, prefetch, comm, carry
         new_carry.append(c)
     layout = state.layout
     replicated = reduce_replicated(state, local_replicated, all_reduce=all_reduce)
-    grads = ShardedGrads(shards=tuple(shards), layout=layout, replicated=replicated)
+    grads = ShardedGrads(
+        shards=tuple(shards), layout=layout, replicated=replicated, usage=_usage(layout, unused)
+    )
     return value, grads, tuple(new_carry)
 
 
@@ -214,6 +230,7 @@ def _sharded_value_and_grad(
     kwargs: dict[str, Any],
     comm: Comm | None = None,
     keep_flat: bool = False,
+    tracking: bool = False,
 ) -> tuple[Any, Any]:
     layout = state.layout
     mesh = layout.mesh
@@ -251,6 +268,8 @@ def _sharded_value_and_grad(
         gathered=getattr(state, "gathered", ()),
         comm=comm,
     )
+    # see [Note: unused parameters]; not where backward is traced
+    noted = usage.Recorder() if tracking and not collectives.tracing(shards) else None
     with recompute.recording() as ran:
         loss, aux = _split(f(differentiated, *args, **kwargs), has_aux, "value_and_grad")
     wanted = [t for t in targets if t is not None]
@@ -261,7 +280,7 @@ def _sharded_value_and_grad(
     direct = [s for s in shards if s.requires_grad] if looks else []
     inputs = wanted + trainable + direct
     try:
-        with recompute.recomputing(ran):
+        with usage.recording(noted), recompute.recomputing(ran):
             found = iter(
                 torch.autograd.grad(loss, inputs, allow_unused=True)
                 if inputs and loss.requires_grad
@@ -270,11 +289,13 @@ def _sharded_value_and_grad(
     except BaseException:
         abandon_reduces()
         raise
-    grads = [
-        None if t is None else _or_zeros(next(found), t, flat, state.mp)
-        for t, flat in zip(targets, layout.flats, strict=True)
-    ]
+    raw = [None if t is None else next(found) for t in targets]
     local_replicated = {f: next(found) for f in layout.replicated_trainable}
+    unused = noted.unused(layout, raw, local_replicated) if noted is not None else None
+    grads = [
+        None if t is None else _or_zeros(g, t, flat, state.mp)
+        for g, t, flat in zip(raw, targets, layout.flats, strict=True)
+    ]
     if any(g is not None for g in found):
         raise ValueError(
             "funcshard.value_and_grad(reduce=False): the function uses the state's shards "
@@ -291,10 +312,13 @@ def _sharded_value_and_grad(
             state, local_replicated, all_reduce=reduction == "mean"
         )
         return _value(loss, aux, has_aux), ShardedGrads(
-            shards=reduced, layout=layout, replicated=replicated_grads
+            shards=reduced,
+            layout=layout,
+            replicated=replicated_grads,
+            usage=_usage(layout, unused),
         )
     if keep_flat:  # the full flat gradients themselves, for a reduce that follows
-        return _value(loss, aux, has_aux), (grads, local_replicated)
+        return _value(loss, aux, has_aux), (grads, local_replicated, unused)
     local: dict[str, Tensor | None] = {}
     for g, flat in zip(grads, layout.flats, strict=True):
         if g is None:
@@ -306,7 +330,12 @@ def _sharded_value_and_grad(
         (f, g if g is not None else torch.zeros_like(state.replicated[f]))
         for f, g in local_replicated.items()
     )
-    return _value(loss, aux, has_aux), LocalGrads(grads=local, layout=layout)
+    return _value(loss, aux, has_aux), LocalGrads(grads=local, layout=layout, unused=unused)
+
+
+def _usage(layout: Any, unused: frozenset[str] | None) -> usage.Usage | None:
+    """The record's usage of this rank's `unused` set (None: not tracked)."""
+    return None if unused is None else usage.Usage(layout, unused)
 
 
 def _sink(numel: int, dtype: torch.dtype, mesh: Any) -> Tensor:
@@ -385,14 +414,21 @@ def accumulate(a: Any, b: Any) -> Any:
             f: _add(a.replicated.get(f), b.replicated.get(f)) for f in a.layout.replicated
         }
         verdicts = [v for v in (a.verdict, b.verdict) if v is not None]
+        # used in either is used; tracked in one only (a traced half): not known, so none
+        both = a.usage is not None and b.usage is not None
         return ShardedGrads(
             shards=tuple(map(_add, a.shards, b.shards)),
             layout=a.layout,
             replicated=replicated,
             verdict=verdicts[0].merged(verdicts[1]) if len(verdicts) == 2 else None,
+            usage=a.usage.merged(b.usage) if both else None,
         )
     if isinstance(a, LocalGrads):
-        return LocalGrads(grads={k: _add(a.grads[k], b.grads[k]) for k in a.grads}, layout=a.layout)
+        return LocalGrads(
+            grads={k: _add(a.grads[k], b.grads[k]) for k in a.grads},
+            layout=a.layout,
+            unused=a.unused & b.unused if a.unused is not None and b.unused is not None else None,
+        )
     if isinstance(a, Mapping):
         return {k: _add(a[k], b[k]) for k in a}
     raise TypeError(f"funcshard.accumulate: cannot add {type(a).__name__} gradients.")

@@ -75,6 +75,7 @@ from funcshard.comm import _process_groups as process_groups
 from funcshard.comm import _trail as trail
 from funcshard.core._groups import GroupView
 from funcshard.core._state import LocalGrads, ShardedGrads
+from funcshard.step import _usage as usage
 
 POLICIES = ("skip", "raise", "off")
 MAX_CONSECUTIVE_SKIPS = 10  # then NonFiniteError: see [Note: non-finite steps skipped by default]
@@ -117,9 +118,13 @@ class Verdict:
         trails: bool = False,
         scope: str = "every rank",
         traced: bool = False,
+        words: int = 0,
     ) -> None:
-        self._every = every  # every rank's flags (then its trail, with `trails`), in rank order
+        # every rank's flags, then `words` int64 of unused parameters (see [Note: unused
+        # parameters] in funcshard/step/_usage.py), then its trail (with `trails`), by rank
+        self._every = every
         self.names, self.ranks, self._trails = names, ranks, trails
+        self._words = words
         self.scope = scope  # who decides alike, in words
         self.traced = traced  # `_every` is a node of a graph being compiled: never read here
         self._parts: tuple[Verdict, Verdict] | None = None  # of a merged verdict
@@ -140,11 +145,16 @@ class Verdict:
             if self._trails:
                 trail.check(self.ranks, [every[i + width - 2 : i + width] for i in starts])
                 width -= 2
+            width -= self._words
             self._rows = [every[i : i + width] for i in starts]
         return self._rows
 
     def finite(self) -> bool:
         return not any(any(row) for row in self.rows())
+
+    def width(self) -> int:
+        """Ints each rank sent."""
+        return self._every.numel() // len(self.ranks)
 
     def ok(self) -> Tensor:
         """Whether every rank's flags are clear, as a boolean tensor: what a traced step
@@ -210,16 +220,27 @@ def issue(loss: Tensor | None, grads: ShardedGrads, across_replicas: bool = True
     # trail] in funcshard/comm/_trail.py
     roles = [mesh.group, mesh.shard_group, mesh.replicate_group]
     taken = trail.take([g.group_name for g in roles])
+    # then the unused parameters' words (see [Note: unused parameters])
+    words = grads.usage.words() if grads.usage is not None else []
     if mesh.device.type == "cpu":  # (eager: traced steps returned above) one tensor, made once
-        flags = torch.tensor([*_flags_on_host(checked), *taken], dtype=torch.int64)
+        flags = torch.tensor([*_flags_on_host(checked), *words, *taken], dtype=torch.int64)
     else:
         flags = local_flags(checked, mesh.device)
-        flags = torch.cat([flags, torch.tensor(taken, dtype=torch.int64, device=mesh.device)])
-    return _gathered(flags, grads, across_replicas, trails=True)
+        rest = torch.tensor([*words, *taken], dtype=torch.int64, device=mesh.device)
+        flags = torch.cat([flags, rest])
+    verdict = _gathered(flags, grads, across_replicas, trails=True, words=len(words))
+    if grads.usage is not None:
+        grads.usage.agree_by(verdict._every, verdict.width(), len(checked))
+    return verdict
 
 
 def _gathered(
-    flags: Tensor, grads: Any, across_replicas: bool, trails: bool = False, traced: bool = False
+    flags: Tensor,
+    grads: Any,
+    across_replicas: bool,
+    trails: bool = False,
+    traced: bool = False,
+    words: int = 0,
 ) -> Verdict:
     """The verdict on every rank's `flags`, gathered over the ranks that reduced `grads`
     together (the shard axis alone without `across_replicas`). The all-gather is waited
@@ -235,20 +256,36 @@ def _gathered(
     if exchange.backend_of(group) == "fake":  # (benchmarks: its collectives move no data,
         every = flags.expand(len(ranks), -1).reshape(-1)  # so every rank is taken to be this one)
     scope = "every rank" if across_replicas else _SHARD_AXIS
-    return Verdict(every, _names(grads), ranks, trails=trails, scope=scope, traced=traced)
+    return Verdict(
+        every, _names(grads), ranks, trails=trails, scope=scope, traced=traced, words=words
+    )
 
 
 def judged(loss: Tensor | None, grads: Any, policy: str, across_replicas: bool, where: str) -> Any:
     """`grads` after the check `policy` asks for (see `policy`): "raise" raises here when
     some rank's loss or gradients are not finite; "skip" gives sharded gradients their
     verdict (see `issue`: a graph node when dynamo traces, none under make_fx); "off"
-    leaves them alone."""
-    if policy == "raise":
+    leaves them alone. Sharded gradients that track unused parameters have them agreed by
+    the verdict's all-gather, or (with "off") by one of their own (see [Note: unused
+    parameters] in funcshard/step/_usage.py)."""
+    sharded = isinstance(grads, ShardedGrads)
+    tracked = sharded and grads.usage is not None
+    if policy == "raise" and tracked:  # (eager: a traced step tracks nothing)
+        verdict = issue(loss, grads, across_replicas)
+        if verdict is not None:
+            verdict.acted = True  # decided here: optimizers only follow
+            if not verdict.finite():
+                raise _nonfinite_error(verdict, where)
+            return dataclasses.replace(grads, verdict=verdict)
+    elif policy == "raise":
         check(loss, grads, where, across_replicas)
-    elif policy == "skip" and isinstance(grads, ShardedGrads):
+    elif policy == "skip" and sharded:
         verdict = issue(loss, grads, across_replicas)
         if verdict is not None:
             return dataclasses.replace(grads, verdict=verdict)
+    elif tracked:
+        mesh = grads.layout.mesh
+        usage.agreed_alone(grads.usage, mesh.group if across_replicas else mesh.shard_group)
     return grads
 
 
@@ -350,6 +387,8 @@ def masked(ok: Tensor, new: Any, old: Any) -> Any:
     an optimizer state), chosen on the device without reading `ok`."""
 
     def choose(n: Any, o: Any) -> Any:
+        if n is o:  # handed on unchanged (Adam's counts of skipped steps): nothing to pick
+            return n
         if isinstance(n, Tensor) and isinstance(o, Tensor) and n.shape == o.shape:
             return torch.where(ok, n, o)
         return n
@@ -471,7 +510,11 @@ def check(
         verdict = Verdict(flags, _names(grads), [0])
     if verdict.finite():
         return
-    raise NonFiniteError(
+    raise _nonfinite_error(verdict, where)
+
+
+def _nonfinite_error(verdict: Verdict, where: str) -> NonFiniteError:
+    return NonFiniteError(
         f"funcshard.{where}(check_finite='raise'): NaN or inf in {verdict.problems()}. "
         f"Raised on {verdict.scope}. To skip such steps instead, leave check_finite at its "
         f"default ('skip'); to find the op that made them, run with "

@@ -64,6 +64,7 @@ from funcshard.comm import _chaos as chaos
 from funcshard.comm import _collectives as collectives
 from funcshard.comm import _streams as streams
 from funcshard.core._layout import param_views
+from funcshard.step import _usage as usage
 from funcshard.step._autograd_apply import apply_function
 from funcshard.step._deferred_reduce import THROTTLE, Deferred
 from funcshard.step._gather_spec import GatherSpec
@@ -140,6 +141,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         spec: GatherSpec = ctx.spec
         chaos.point()
+        usage.note(spec.flat, grads)  # see [Note: unused parameters]
         if ctx.on_backward is not None:
             ctx.on_backward()
         if _legacy_batched(grads):

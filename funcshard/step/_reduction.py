@@ -5,6 +5,7 @@ does. It writes none of its inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -17,6 +18,7 @@ from funcshard.core._precision import reduce_dtype
 from funcshard.core._state import LocalGrads, ShardedGrads, ShardedState
 from funcshard.core._tree import format_names
 from funcshard.step import _finite as finite
+from funcshard.step import _usage as usage
 from funcshard.step._carry import check_carry
 from funcshard.step._gather_spec import GatherSpec
 from funcshard.step._reduce_flat import reduce_whole
@@ -41,7 +43,9 @@ def reduce(
     across replicas, for accumulating first. `comm`'s reduce, if any, replaces the
     reduce-scatter over the shard axis; `carry` is its state, and then the result is
     `(grads, new_carry)` (see [Note: communication as user functions]). `check_finite` as
-    in `value_and_grad` (the reduced gradients' verdict, without a loss).
+    in `value_and_grad` (the reduced gradients' verdict, without a loss). The parameters
+    that `LocalGrads` say this rank did not use are agreed over the ranks: those no rank
+    used are the result's `unused` (see [Note: unused parameters]).
 
     Communicates: one reduce-scatter over the shard axis per trainable flat buffer, then one
     all-reduce over the replicate axis; one all-reduce per dtype of the replicated
@@ -49,10 +53,12 @@ def reduce(
     """
     checking = finite.policy(check_finite, "reduce")
     reduced = _reduce(state, full_grads, divide_factor, all_reduce, comm, carry)
-    if isinstance(reduced, tuple):
-        grads, new_carry = reduced
-        return finite.judged(None, grads, checking, all_reduce, "reduce"), new_carry
-    return finite.judged(None, reduced, checking, all_reduce, "reduce")
+    grads, new_carry = reduced if isinstance(reduced, tuple) else (reduced, None)
+    unused = full_grads.unused if isinstance(full_grads, LocalGrads) else None
+    if unused is not None:  # agreed with the verdict: see [Note: unused parameters]
+        grads = dataclasses.replace(grads, usage=usage.Usage(state.layout, unused))
+    grads = finite.judged(None, grads, checking, all_reduce, "reduce")
+    return grads if new_carry is None else (grads, new_carry)
 
 
 def _reduce(
