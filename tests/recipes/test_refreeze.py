@@ -195,19 +195,51 @@ def test_train_mixed_requires_grad_per_group_after_init_param_groups():
     _check_parity(testing.run(run, world_size=WORLD), groups=True)
 
 
-def _checkpoint_round_trip(path: str, rank: int) -> bool:
-    model = _model()
-    plan = fs.plan(model, policy=_units, frozen="split")
+class _MultiForward(nn.Module):
+    """FSDP2's test_multi_forward_mixed_requires_grad model: units called three times a
+    forward, once more each time under no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(42)
+        self.layer_0, self.layer_no_grad, self.layer_with_grad = (nn.Linear(5, 5) for _ in range(3))
+        self.layer_no_grad.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer_0(x)
+        for _ in range(3):
+            x = self.layer_no_grad(torch.relu(self.layer_with_grad(x)))
+            with torch.no_grad():
+                extra = torch.relu(self.layer_with_grad(x))
+            x = x + extra
+        return x
+
+
+MULTI_FROZEN, MULTI_TRAINABLE = ("layer_0.weight",), ("layer_no_grad",)
+
+
+def _multi_batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 5, generator=torch.Generator().manual_seed(7 * step + rank))
+
+
+def _multi_forward(path: str, rank: int) -> dict:
+    model = _MultiForward()
+    units = fs.policy.module_classes({nn.Linear})
+    plan = fs.plan(model, policy=units, frozen="split")
     mesh = fs.Mesh(shard=WORLD)
-    opt = fs.optim.chain(fs.optim.clip_by_global_norm(1.0), fs.optim.adam(LR, eps=EPS))
-    state = fs.shard(model, plan, mesh)
-    state, opt_state, _ = _train(state, opt, opt.init(state), model, rank, range(1))
+    opt = fs.optim.chain(fs.optim.clip_by_global_norm(1e3), fs.optim.adam(LR, eps=EPS))
     refreeze = functools.partial(
-        fs.refreeze, opt=opt, frozen=_newly_frozen, trainable=NEWLY_TRAINABLE
+        fs.refreeze, opt=opt, frozen=MULTI_FROZEN, trainable=MULTI_TRAINABLE
     )
-    state, opt_state = refreeze(state, opt_state)
-    state, opt_state, _ = _train(state, opt, opt_state, model, rank, range(1, 2))
-    fs.checkpoint.save(path, state, opt_state, step=2)
+    grad_fn = fs.value_and_grad(lambda state, x: fs.call(model, state, x).sum())
+    state = fs.shard(model, plan, mesh)
+    opt_state = opt.init(state)
+    for step in range(4):
+        if step == 2:
+            state, opt_state = refreeze(state, opt_state)
+        _, grads = grad_fn(state, _multi_batch(rank, step))
+        state, opt_state = opt.step(grads, opt_state, state)
+    fs.checkpoint.save(path, state, opt_state, step=4)
     like = fs.shard(model, plan, mesh)  # a fresh start, refrozen the same way
     like_state, like_opt = refreeze(like, opt.init(like))
     loaded, loaded_opt, step, _ = fs.checkpoint.load(path, like=(like_state, like_opt))
@@ -220,23 +252,52 @@ def _checkpoint_round_trip(path: str, rank: int) -> bool:
         )
     ]
     # and into a state planned with the new frozen set: the same keys, no others
-    fresh_model = _model(AFTER)
-    fresh = fs.shard(fresh_model, fs.plan(fresh_model, policy=_units, frozen="split"), mesh)
+    fresh_model = _MultiForward()
+    fresh_model.layer_0.weight.requires_grad_(False)
+    fresh_model.layer_no_grad.requires_grad_(True)
+    fresh = fs.shard(fresh_model, fs.plan(fresh_model, policy=units, frozen="split"), mesh)
     replanned, replanned_opt, _, _ = fs.checkpoint.load(path, like=(fresh, opt.init(fresh)))
     same.append(torch.equal(replanned_opt.states[1].step, opt_state.states[1].step))
     same.extend(
         torch.equal(a, b)
         for a, b in zip(fs.unshard(replanned).values(), fs.unshard(state).values(), strict=True)
     )
-    return step == 2 and all(same) and loaded.layout == state.layout
+    loaded_ok = step == 4 and all(same) and loaded.layout == state.layout
+    return {"loaded": loaded_ok, "params": fs.unshard(state)}
 
 
-def test_multi_forward_mixed_requires_grad_checkpoint_after_refreeze(tmp_path):
-    """A checkpoint saved after refreezing (chained clipping and Adam) loads bitwise into a
-    fresh state refrozen the same way, and into one planned with the new frozen set
-    (test_fully_shard_frozen.py's mixed frozen sets, resumed)."""
-    run = functools.partial(_checkpoint_round_trip, str(tmp_path / "ckpt"))
-    assert all(testing.run(run, world_size=WORLD))
+def _multi_forward_reference() -> dict[str, torch.Tensor]:
+    model = _MultiForward()
+    params = dict(model.named_parameters())
+    opt = torch.optim.Adam(params.values(), lr=LR, eps=EPS)
+    for step in range(4):
+        if step == 2:
+            params["layer_0.weight"].requires_grad_(False)
+            for p in model.layer_no_grad.parameters():
+                p.requires_grad_(True)
+                opt.state[p] = {  # fresh moments, the step count so far (module docstring)
+                    "step": torch.tensor(2.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+        opt.zero_grad(set_to_none=True)
+        sum(model(_multi_batch(rank, step)).sum() for rank in range(WORLD)).div(WORLD).backward()
+        opt.step()
+    return {k: p.detach() for k, p in params.items()}
+
+
+def test_multi_forward_mixed_requires_grad_refrozen_and_resumed(tmp_path):
+    """test_fully_shard_frozen.py::test_multi_forward_mixed_requires_grad, refrozen after
+    two steps (layer_0's weight frozen, layer_no_grad unfrozen; chained clipping and Adam):
+    equal to torch.optim.Adam on one process, and a checkpoint saved afterwards loads
+    bitwise into a fresh state refrozen the same way, and into one planned with the new
+    frozen set."""
+    expected = _multi_forward_reference()
+    run = functools.partial(_multi_forward, str(tmp_path / "ckpt"))
+    for out in testing.run(run, world_size=WORLD):
+        assert out["loaded"]
+        for name, p in out["params"].items():
+            torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _bad_inputs(rank: int) -> list[str]:
