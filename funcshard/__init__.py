@@ -37,6 +37,7 @@ from funcshard.init import skip as skip
 from funcshard.init import whole_model as whole_model
 from funcshard.io import CheckpointCorrupted as CheckpointCorrupted
 from funcshard.io import _checkpoint as checkpoint
+from funcshard.io import refreeze as refreeze
 from funcshard.optim import apply_updates as apply_updates
 from funcshard.optim import tree_map as tree_map
 from funcshard.planning import Estimate as Estimate
@@ -112,6 +113,7 @@ __all__ = [
     "rank_generator",
     "rank_seed",
     "reduce",
+    "refreeze",
     "replicate",
     "reshard",
     "shard",
