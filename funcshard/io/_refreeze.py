@@ -24,8 +24,9 @@ a state on another layout, and the optimizer state to go with it.
   parameter, the old leaf of the same key where that parameter trained before, and init's
   values (zero moments) where it did not; every other leaf (a step count, a dict keyed by
   FQN) is the old leaf of the same key, or init's where there is none. Newly frozen
-  parameters lose their state. The step count stays: a schedule continues, and a newly
-  trainable parameter's bias correction counts from it, where torch.optim's starts at 0.
+  parameters lose their state. The step count stays (a schedule continues), and Adam's
+  per-parameter counts (`AdamState.skipped_steps`) restart a newly trainable parameter's
+  own count at 0, as torch.optim does when it makes the state of a parameter's first step.
 - init is called, not zeros assumed: a fresh state need not be zeros (Adagrad's initial
   accumulator), and a partition's groups follow the new layout. It costs one fresh
   optimizer state beside the old one while `refreeze` runs.
@@ -53,6 +54,7 @@ from funcshard.core._tree import format_names
 from funcshard.io import _refreeze_optim as refreeze_optim
 from funcshard.io._repack import Gathered, repacked
 from funcshard.optim._base import Optimizer
+from funcshard.optim._kernels import restart_counts
 
 Select = Iterable[str] | Callable[[str, Tensor], bool]
 """Which parameters `refreeze` changes: FQNs of parameters, FQNs of modules (every parameter
@@ -74,8 +76,10 @@ def refreeze(
     shards and optimizer state (the same tensors); a changed unit is laid out as
     `plan(..., frozen="split")` would lay it out, so afterwards the state takes the memory
     of one planned with the new frozen set. Newly frozen parameters lose their optimizer
-    state; newly trainable ones get what `opt.init` gives them (zero moments); the step
-    count stays (see [Note: refreezing a live state]). `opt`, the optimizer whose state
+    state; newly trainable ones get what `opt.init` gives them (zero moments) and, as
+    torch.optim makes a parameter's state when it first steps, Adam counts their steps
+    from zero (`AdamState.skipped_steps`), while the state's step count, which schedules
+    read, goes on (see [Note: refreezing a live state]). `opt`, the optimizer whose state
     `opt_state` is, is needed with an optimizer state. The inputs are not changed, but the
     results share the unchanged units' tensors with them: a donating step on the new state
     writes those, so read the old state before it or not at all.
@@ -107,7 +111,8 @@ def refreeze(
     new_state = state.replace(shards=_moved_shards(state, layout), layout=layout)
     if opt_state is None or opt is None:
         return new_state, None
-    return new_state, refreeze_optim.moved(opt_state, opt, state, new_state)
+    moved = refreeze_optim.moved(opt_state, opt, state, new_state)
+    return new_state, restart_counts(moved, before - after)  # their own counts start now
 
 
 def _params(state: ShardedState) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

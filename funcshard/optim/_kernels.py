@@ -5,11 +5,13 @@ tensors (see [Note: optimizers] in funcshard/optim/__init__.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+import torch.utils._pytree as torch_pytree
 from torch import Tensor
 
 from funcshard.core._state import ShardedState
@@ -438,3 +440,21 @@ def _kept(where: Tensor, old: Tensor | None, new: Tensor) -> Tensor:
     if old is None:
         return new.masked_fill(where, 0)
     return torch.where(where, old, new)
+
+
+def restart_counts(opt_state: Any, fqns: frozenset[str]) -> Any:
+    """`opt_state` with every AdamState in it counting the steps of `fqns` from zero, as
+    torch.optim does for a parameter whose state it makes when it first steps: each of them
+    has sat out every step so far (see [Note: optimizers skip unused parameters])."""
+
+    def restarted(node: Any) -> Any:
+        if not isinstance(node, AdamState) or not fqns & set(node.skipped_steps):
+            return node
+        done = int(node.step)
+        counts = {
+            f: torch.tensor(done, dtype=torch.int64) if f in fqns else n
+            for f, n in node.skipped_steps.items()
+        }
+        return dataclasses.replace(node, skipped_steps=counts)
+
+    return torch_pytree.tree_map(restarted, opt_state, is_leaf=lambda n: isinstance(n, AdamState))

@@ -3,9 +3,8 @@ test_fully_shard_frozen.py where `requires_grad_` changes on a live model: check
 torch.optim.Adam on one process, whose frozen parameters have no gradient and so no step.
 
 torch.optim makes a parameter's state when it first steps, with its own step count at 0;
-`refreeze` gives a newly trainable parameter fresh moments and keeps the state's step count
-(a learning-rate schedule continues). The reference is given that state where a parameter
-first trains (zero moments, the step count so far), which is the one difference.
+`refreeze` gives a newly trainable parameter fresh moments and Adam restarts its own count
+(`AdamState.skipped_steps`), while the state's step count, which schedules read, goes on.
 """
 
 import functools
@@ -143,11 +142,6 @@ def _reference(groups: bool = False) -> tuple[list[float], dict[str, torch.Tenso
                     p.requires_grad_(False)
                 elif name == "1.2.weight" or name.startswith("2."):
                     p.requires_grad_(True)
-                    opt.state[p] = {  # fresh moments, the step count so far (see the docstring)
-                        "step": torch.tensor(2.0),
-                        "exp_avg": torch.zeros_like(p),
-                        "exp_avg_sq": torch.zeros_like(p),
-                    }
         opt.zero_grad(set_to_none=True)
         loss = sum(model(_batch(rank, step)).pow(2).sum() for rank in range(WORLD)) / WORLD
         loss.backward()
@@ -275,11 +269,6 @@ def _multi_forward_reference() -> dict[str, torch.Tensor]:
             params["layer_0.weight"].requires_grad_(False)
             for p in model.layer_no_grad.parameters():
                 p.requires_grad_(True)
-                opt.state[p] = {  # fresh moments, the step count so far (module docstring)
-                    "step": torch.tensor(2.0),
-                    "exp_avg": torch.zeros_like(p),
-                    "exp_avg_sq": torch.zeros_like(p),
-                }
         opt.zero_grad(set_to_none=True)
         sum(model(_multi_batch(rank, step)).sum() for rank in range(WORLD)).div(WORLD).backward()
         opt.step()
