@@ -128,17 +128,42 @@ class ShardedGrads:
 
 @dataclass(frozen=True, eq=False)
 class LocalGrads:
-    """Unreduced full-size gradients of one rank, by FQN (None for frozen parameters).
+    """Gradients of one rank not all reduced yet: hand them to `funcshard.reduce`, which
+    reduces what is still local (optimizers refuse them, naming the local units).
 
-    What `value_and_grad(..., reduce=False)` returns, for accumulating over micro-batches
-    before one `funcshard.reduce`. Kept in each parameter's reduce dtype.
+    `value_and_grad(..., reduce=False)` gives every unit's unreduced full-size gradients,
+    by FQN in `grads` (None for frozen parameters; the replicated parameters' too), for
+    accumulating over micro-batches before one reduce. `value_and_grad(...,
+    keep_local=units)` gives those units' in `grads` and the other buffers reduced:
+    `shards[i]` is this rank's reduced shard of `layout.flats[i]` (None for a buffer still
+    local, or frozen), `replicated` the replicated parameters' reduced gradients, and
+    `across_replicas` whether the shards were all-reduced across replicas (see [Note: units
+    kept local] in funcshard/step/_keep_local.py). `shards` is empty when no buffer is
+    reduced. Local gradients are kept in each parameter's reduce dtype.
     """
 
     grads: dict[str, Tensor | None]
     layout: Layout
+    shards: tuple[Tensor | None, ...] = ()
+    replicated: dict[str, Tensor | None] = field(default_factory=dict)
+    across_replicas: bool = True
     # the parameters this rank's loss did not reach (see [Note: unused parameters] in
     # funcshard/step/_usage.py), agreed over the ranks by `funcshard.reduce`; None: untracked
     unused: frozenset[str] | None = field(default=None, repr=False)
+
+    @property
+    def local_flats(self) -> tuple[int, ...]:
+        """Indices of the trainable flat buffers whose gradients are still local."""
+        return tuple(
+            i
+            for i, flat in enumerate(self.layout.flats)
+            if not flat.frozen and (not self.shards or self.shards[i] is None)
+        )
+
+    @property
+    def local_units(self) -> tuple[str, ...]:
+        """The units whose gradients are still local, in plan order ("" is the root)."""
+        return tuple(dict.fromkeys(self.layout.flats[i].unit for i in self.local_flats))
 
 
 register_record(
@@ -149,4 +174,8 @@ register_record(
 register_record(ShardedGrads, data_fields=("shards", "replicated"), meta_fields=("layout",))
 donatable(ShardedState, ("shards", "replicated", "buffers"))
 donatable(ShardedGrads, ("shards", "replicated"))
-register_record(LocalGrads, data_fields=("grads",), meta_fields=("layout",))
+register_record(
+    LocalGrads,
+    data_fields=("grads", "shards", "replicated"),
+    meta_fields=("layout", "across_replicas"),
+)

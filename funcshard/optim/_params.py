@@ -14,7 +14,7 @@ from torch import Tensor
 
 from funcshard.core._groups import GroupView
 from funcshard.core._layout import frozen_ranges
-from funcshard.core._state import ShardedGrads, ShardedState, ensure_live
+from funcshard.core._state import LocalGrads, ShardedGrads, ShardedState, ensure_live
 from funcshard.core._state import donate as donate_record
 from funcshard.optim._leaves import with_leaves
 
@@ -40,6 +40,12 @@ def _grad_leaves(grads: Any) -> list[Tensor | None]:
     if isinstance(grads, Mapping):
         ensure_live(grads, "optim")
         return list(grads.values())
+    if isinstance(grads, LocalGrads):  # see [Note: units kept local] in step/_keep_local.py
+        raise TypeError(
+            f"funcshard.optim: these gradients are not reduced yet: units "
+            f"{list(grads.local_units)} are still local (value_and_grad(..., reduce=False) "
+            f"or keep_local=...). Reduce them with funcshard.reduce(state, grads) first."
+        )
     raise TypeError(
         f"funcshard.optim: grads must be ShardedGrads or a dict of tensors, got "
         f"{type(grads).__name__} (reduce LocalGrads with funcshard.reduce first)."

@@ -9,8 +9,9 @@ Eager and traced steps run this same code.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import optree
@@ -32,6 +33,7 @@ from funcshard.step import _usage as usage
 from funcshard.step._carry import check_carry
 from funcshard.step._deferred_reduce import abandon_reduces
 from funcshard.step._gather_spec import Differentiated, specs_and_sinks
+from funcshard.step._keep_local import accumulate_local, local_flats, partly_reduced
 from funcshard.step._reduce_flat import reduce_whole
 from funcshard.step._reduction import reduce_replicated
 from funcshard.step._unit_gathers import Prefetch
@@ -47,6 +49,7 @@ def value_and_grad(
     comm: Comm | None = None,
     carry: Any = None,
     unused: str = "skip",
+    keep_local: Collection[str] = (),
 ) -> Callable[..., tuple[Any, ...]]:
     """Return a function computing `f(params, *args)` and its gradient w.r.t. `params`.
 
@@ -71,6 +74,11 @@ def value_and_grad(
     `unused` names them, and funcshard's optimizers leave them and their state alone) or
     "zeros" (they move like any parameter with a zero gradient); see [Note: unused
     parameters]. Eager steps only: a traced step counts every parameter as used.
+    `keep_local` names units (as `state.layout.units` does, "" the root) whose gradients
+    skip the reduction and stay local and full-size, for accumulating over micro-batches
+    (FSDP2's `set_requires_gradient_sync(False)` on those modules), while the others reduce:
+    the result is then a LocalGrads holding both, which `funcshard.reduce` finishes (see
+    [Note: units kept local]).
     Communicates (sharded): per unit one all-gather in forward, one more in backward when
     resharded after forward (not for the unit that ran last, kept for backward), and one
     reduce-scatter; one all-reduce per unit on HSDP meshes.
@@ -88,6 +96,12 @@ def value_and_grad(
         )
     checking = finite.policy(check_finite, "value_and_grad")
     tracking = usage.policy(unused, "value_and_grad") == "skip"
+    if keep_local and carry is not None:
+        raise ValueError(
+            "funcshard.value_and_grad: keep_local with carry= is not supported: a carried "
+            "reduce runs once per buffer after backward. Take local gradients with "
+            "reduce=False and pass the carry to funcshard.reduce."
+        )
     if carry is not None and (comm is None or comm.reduce is None or not reduce):
         why = "reduce=False leaves the reduce to funcshard.reduce" if comm else "no comm"
         raise ValueError(
@@ -112,6 +126,8 @@ def value_and_grad(
     def step(params: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         if isinstance(params, ShardedState):
             reduction = "none" if not reduce else "mean" if all_reduce else "shard"
+            # checked before any collective: see [Note: units kept local]
+            kept = local_flats(params.layout, keep_local, "value_and_grad") if keep_local else None
             if carry is not None:
                 checked = check_carry(carry, params, "value_and_grad")
                 # see [Note: no garbage collection inside a step]
@@ -139,17 +155,19 @@ def value_and_grad(
                     args,
                     kwargs,
                     comm,
-                    False,
+                    False,  # keep_flat
                     tracking,
+                    kept or frozenset(),
                 )
             # see [Note: host memory kept between steps]
             host_memory.keep_for(params.layout.mesh.device_type)
-        elif isinstance(params, Mapping) and carry is None:
+        elif isinstance(params, Mapping) and carry is None and not keep_local:
             value, grads = _dict_value_and_grad(f, has_aux, params, args, kwargs)
         else:
             raise TypeError(
                 f"funcshard.value_and_grad: the first argument must be a ShardedState or a "
-                f"dict of tensors (a ShardedState with carry=), got {type(params).__name__}."
+                f"dict of tensors (a ShardedState with carry= or keep_local=), got "
+                f"{type(params).__name__}."
             )
         loss = value[0] if has_aux else value
         grads = finite.judged(loss, grads, checking, all_reduce, "value_and_grad")
@@ -231,6 +249,7 @@ def _sharded_value_and_grad(
     comm: Comm | None = None,
     keep_flat: bool = False,
     tracking: bool = False,
+    kept: frozenset[int] = frozenset(),
 ) -> tuple[Any, Any]:
     layout = state.layout
     mesh = layout.mesh
@@ -238,17 +257,18 @@ def _sharded_value_and_grad(
         s.detach() if flat.frozen else s.detach().requires_grad_()
         for s, flat in zip(state.shards, layout.flats, strict=True)
     )
-    if reduction == "none":  # the gradients go to full-size sinks: see funcshard.gather
+    if reduction == "none":  # every buffer kept local
+        kept = frozenset(i for i, flat in enumerate(layout.flats) if not flat.frozen)
+    sinks = None
+    if kept:  # their gradients go to full-size sinks: see funcshard.gather
         sinks = tuple(
-            None if flat.frozen else _sink(flat.padded_numel, reduce_dtype(state.mp, flat), mesh)
-            for flat in layout.flats
+            _sink(flat.padded_numel, reduce_dtype(state.mp, flat), mesh) if i in kept else None
+            for i, flat in enumerate(layout.flats)
         )
-        targets = sinks
-    else:
-        sinks = None
-        targets = tuple(
-            None if flat.frozen else s for s, flat in zip(shards, layout.flats, strict=True)
-        )
+    targets = tuple(
+        None if flat.frozen else sinks[i] if sinks is not None and i in kept else s
+        for i, (s, flat) in enumerate(zip(shards, layout.flats, strict=True))
+    )  # (a local buffer's target is its sink, a reduced one's its shard)
     # the replicated (ignored) parameters are differentiated directly, as DDP's are
     replicated = {
         f: t.detach().requires_grad_(f not in layout.replicated_frozen)
@@ -274,10 +294,10 @@ def _sharded_value_and_grad(
         loss, aux = _split(f(differentiated, *args, **kwargs), has_aux, "value_and_grad")
     wanted = [t for t in targets if t is not None]
     trainable = [replicated[f] for f in layout.replicated_trainable]
-    # reduce=False loses terms on the shards themselves: look for them (eagerly; a traced
-    # autograd.grad answers zeros for unused inputs)
-    looks = reduction == "none" and not torch.compiler.is_dynamo_compiling()
-    direct = [s for s in shards if s.requires_grad] if looks else []
+    # a local gradient loses terms on the shards themselves: look for them (eagerly; a
+    # traced autograd.grad answers zeros for unused inputs)
+    looks = bool(kept) and not torch.compiler.is_dynamo_compiling()
+    direct = [shards[i] for i in sorted(kept)] if looks else []
     inputs = wanted + trainable + direct
     try:
         with usage.recording(noted), recompute.recomputing(ran):
@@ -298,11 +318,18 @@ def _sharded_value_and_grad(
     ]
     if any(g is not None for g in found):
         raise ValueError(
-            "funcshard.value_and_grad(reduce=False): the function uses the state's shards "
-            "directly (e.g. a weight-decay term on state.shards), and local gradients are "
-            "taken with respect to the gathered parameters only, so that term would be lost. "
-            "Use reduce=True, or add such terms to the reduced gradients yourself."
+            "funcshard.value_and_grad(reduce=False, or keep_local=...): the function uses "
+            "the state's shards directly (e.g. a weight-decay term on state.shards), and "
+            "local gradients are taken with respect to the gathered parameters only, so that "
+            "term would be lost. Use reduce=True (without keep_local), or add such terms to "
+            "the reduced gradients yourself."
         )
+    if reduction != "none" and kept:  # see [Note: units kept local]
+        replicated_grads = reduce_replicated(
+            state, local_replicated, all_reduce=reduction == "mean"
+        )
+        partial = partly_reduced(layout, grads, kept, replicated_grads, reduction == "mean")
+        return _value(loss, aux, has_aux), dataclasses.replace(partial, unused=unused)
     if reduction != "none":
         reduced = tuple(
             None if g is None else g.to(flat.dtype)
@@ -403,7 +430,10 @@ def _differentiated_leaves(params: Mapping[str, Any]) -> list[str]:
 
 
 def accumulate(a: Any, b: Any) -> Any:
-    """Sum two gradients of the same kind (ShardedGrads, LocalGrads or dicts); None is zero."""
+    """Sum two gradients of the same kind (ShardedGrads, LocalGrads or dicts); None is zero.
+    Two LocalGrads must keep the same units local (see [Note: units kept local])."""
+    if isinstance(a, LocalGrads) or isinstance(b, LocalGrads):
+        return accumulate_local(a, b, _add)
     if type(a) is not type(b):
         raise TypeError(
             f"funcshard.accumulate: both gradients must be of one kind, got "
@@ -422,12 +452,6 @@ def accumulate(a: Any, b: Any) -> Any:
             replicated=replicated,
             verdict=verdicts[0].merged(verdicts[1]) if len(verdicts) == 2 else None,
             usage=a.usage.merged(b.usage) if both else None,
-        )
-    if isinstance(a, LocalGrads):
-        return LocalGrads(
-            grads={k: _add(a.grads[k], b.grads[k]) for k in a.grads},
-            layout=a.layout,
-            unused=a.unused & b.unused if a.unused is not None and b.unused is not None else None,
         )
     if isinstance(a, Mapping):
         return {k: _add(a[k], b[k]) for k in a}

@@ -527,12 +527,15 @@ def _names(grads: Any) -> list[str]:
         return [f"unit {f.unit or '<root>'!r}" for f in grads.layout.flats] + [
             repr(f) for f in grads.layout.replicated
         ]
-    return list(grads.grads if isinstance(grads, LocalGrads) else grads)
+    if isinstance(grads, LocalGrads):  # the local ones, then those reduced already
+        shards = [f"unit {f.unit or '<root>'!r}" for f in grads.layout.flats if grads.shards]
+        return [*grads.grads, *shards, *map(repr, grads.replicated)]
+    return list(grads)
 
 
 def _leaves(grads: Any) -> list[Tensor | None]:
     if isinstance(grads, ShardedGrads | GroupView):
         return grads.leaves()
     if isinstance(grads, LocalGrads):
-        return list(grads.grads.values())
+        return [*grads.grads.values(), *grads.shards, *grads.replicated.values()]
     return list(grads.values())

@@ -81,7 +81,9 @@ def _axis_of_buffer(mesh: Mesh, name: str, flat: FlatLayout) -> MeshAxis:
 class Differentiated(ShardedState):
     """The state `funcshard.value_and_grad` hands the function it differentiates: the state
     itself, plus how its gathers are transposed (`reduction`: "mean", "shard" or "none"),
-    the full-size gradient targets of reduction "none" (`sinks`, None for frozen buffers),
+    the full-size gradient targets of the buffers not reduced (`sinks`, None for a frozen
+    buffer and one that reduces: a buffer with a sink takes reduction "none", see [Note:
+    units kept local] in funcshard/step/_keep_local.py),
     the prefetch orders of its calls, the buffers a GatheredState keeps gathered
     (`gathered`, empty otherwise: see [Note: keeping units gathered]), and the user
     communication its calls default to (`comm`, a `funcshard.Comm` of value_and_grad's
@@ -133,7 +135,12 @@ def specs_and_sinks(
         )
     specs = _specs(layout, state.mp, reduction, comm)
     sinks = differentiated.sinks if differentiated is not None else None
-    return specs, sinks if sinks is not None else (None,) * len(specs)
+    if sinks is None:
+        return specs, (None,) * len(specs)
+    if reduction != "none":  # some buffers kept local: see [Note: units kept local]
+        kept = _specs(layout, state.mp, "none", comm)
+        specs = tuple(k if s is not None else p for p, k, s in zip(specs, kept, sinks, strict=True))
+    return specs, sinks
 
 
 def _specs(

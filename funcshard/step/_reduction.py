@@ -21,6 +21,7 @@ from funcshard.step import _finite as finite
 from funcshard.step import _usage as usage
 from funcshard.step._carry import check_carry
 from funcshard.step._gather_spec import GatherSpec
+from funcshard.step._keep_local import reduced_part
 from funcshard.step._reduce_flat import reduce_whole
 
 
@@ -45,7 +46,10 @@ def reduce(
     `(grads, new_carry)` (see [Note: communication as user functions]). `check_finite` as
     in `value_and_grad` (the reduced gradients' verdict, without a loss). The parameters
     that `LocalGrads` say this rank did not use are agreed over the ranks: those no rank
-    used are the result's `unused` (see [Note: unused parameters]).
+    used are the result's `unused` (see [Note: unused parameters]). Of a LocalGrads
+    from `value_and_grad(..., keep_local=units)`, only those units are reduced, the buffers
+    and replicated parameters reduced already kept as they are (see [Note: units kept
+    local]).
 
     Communicates: one reduce-scatter over the shard axis per trainable flat buffer, then one
     all-reduce over the replicate axis; one all-reduce per dtype of the replicated
@@ -70,7 +74,9 @@ def _reduce(
     carry: object,
 ) -> ShardedGrads | tuple[ShardedGrads, tuple]:
     layout = state.layout
-    if isinstance(full_grads, LocalGrads):
+    done = _Done()
+    if isinstance(full_grads, LocalGrads):  # see [Note: units kept local]
+        done = _Done(reduced_part(full_grads, state, divide_factor, all_reduce), full_grads)
         full_grads = full_grads.grads
     _check_grads(full_grads, layout)
     mesh = layout.mesh
@@ -78,10 +84,10 @@ def _reduce(
     if comm is not None and not isinstance(comm, Comm):
         raise TypeError(f"funcshard.reduce: comm must be a funcshard.Comm, got {comm!r}.")
     if carry is not None or (comm is not None and comm.reduce is not None):
-        return _reduce_with(state, full_grads, divide_factor, all_reduce, comm, carry)
+        return _reduce_with(state, full_grads, divide_factor, all_reduce, comm, carry, done)
     scattered: list[collectives.Pending | None] = []
-    for flat in layout.flats:
-        if flat.frozen:
+    for i, flat in enumerate(layout.flats):
+        if flat.frozen or done.has(i):
             scattered.append(None)
             continue
         dtype = reduce_dtype(state.mp, flat)
@@ -95,15 +101,15 @@ def _reduce(
         for flat, p in zip(layout.flats, scattered, strict=True)
     ]
     shards: list[Tensor | None] = []
-    for flat, p, r in zip(layout.flats, scattered, replicated_reduce, strict=True):
+    for i, (flat, p, r) in enumerate(zip(layout.flats, scattered, replicated_reduce, strict=True)):
         if p is None:
-            shards.append(None)
+            shards.append(done.shard(i))
             continue
         grad = (r or p).wait()
         if divide_factor is not None:
             grad = grad / divide_factor
         shards.append(grad.to(flat.dtype))
-    replicated = reduce_replicated(state, full_grads, op, all_reduce, divide_factor)
+    replicated = done.replicated(state, full_grads, op, all_reduce, divide_factor)
     return ShardedGrads(shards=tuple(shards), layout=layout, replicated=replicated)
 
 
@@ -114,8 +120,10 @@ def _reduce_with(
     all_reduce: bool,
     comm: Comm | None,
     carry: object,
+    done: _Done,
 ) -> ShardedGrads | tuple[ShardedGrads, tuple]:
-    """`reduce` through a user's reduce, one buffer after the other (it runs synchronously)."""
+    """`reduce` through a user's reduce, one buffer after the other (it runs synchronously);
+    a buffer reduced already keeps its carry."""
     if not isinstance(comm, Comm) or (carry is not None and comm.reduce is None):
         raise ValueError(
             f"funcshard.reduce: carry is the state of a Comm's reduce; pass "
@@ -128,8 +136,8 @@ def _reduce_with(
     new_carry: list[Tensor | None] = []
     for i, flat in enumerate(layout.flats):
         c = carries[i] if carries is not None else None
-        if flat.frozen:
-            shards.append(None)
+        if flat.frozen or done.has(i):
+            shards.append(done.shard(i))
             new_carry.append(c)
             continue
         dtype = reduce_dtype(state.mp, flat)
@@ -141,9 +149,39 @@ def _reduce_with(
             grad = grad / divide_factor
         shards.append(grad.to(flat.dtype))
         new_carry.append(c)
-    replicated = reduce_replicated(state, full_grads, op, all_reduce, divide_factor)
+    replicated = done.replicated(state, full_grads, op, all_reduce, divide_factor)
     sharded = ShardedGrads(shards=tuple(shards), layout=layout, replicated=replicated)
     return sharded if carries is None else (sharded, tuple(new_carry))
+
+
+class _Done:
+    """What a partly reduced LocalGrads holds reduced already (nothing, for full gradients):
+    its buffers' shards and its replicated parameters' gradients (see [Note: units kept
+    local])."""
+
+    def __init__(
+        self, shards: tuple[Tensor | None, ...] | None = None, grads: LocalGrads | None = None
+    ) -> None:
+        self.shards = shards
+        self.kept = grads.replicated if shards is not None and grads is not None else None
+
+    def has(self, i: int) -> bool:
+        return self.shards is not None and self.shards[i] is not None
+
+    def shard(self, i: int) -> Tensor | None:
+        return self.shards[i] if self.shards is not None else None
+
+    def replicated(
+        self,
+        state: ShardedState,
+        grads: Mapping[str, Tensor | None],
+        op: str,
+        all_reduce: bool,
+        divide_factor: float | None,
+    ) -> dict[str, Tensor | None]:
+        if self.kept is not None:
+            return dict(self.kept)
+        return reduce_replicated(state, grads, op, all_reduce, divide_factor)
 
 
 def reduce_replicated(

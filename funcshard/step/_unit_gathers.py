@@ -41,13 +41,16 @@ class UnitGathers:
         self.state = state
         self.layout = state.layout
         self.specs, self.sinks = specs_and_sinks(state, comm)
-        reduction = self.specs[0].reduction if self.specs else "mean"
-        if reduction == "none" and any(s.grad_fn is not None for s in state.shards):
+        if getattr(state, "sinks", None) is not None and any(  # (no per-buffer loop else)
+            spec.reduction == "none" and s.grad_fn is not None
+            for spec, s in zip(self.specs, state.shards, strict=True)
+        ):
             raise ValueError(
-                "funcshard.value_and_grad(reduce=False): the function calls the model on "
-                "shards it computed (state.replace(shards=...)); local gradients are taken "
-                "with respect to the gathered parameters, so the shards' own transformation "
-                "would be lost. Use reduce=True, which differentiates through it."
+                "funcshard.value_and_grad(reduce=False, or keep_local=...): the function "
+                "calls the model on shards it computed (state.replace(shards=...)); local "
+                "gradients are taken with respect to the gathered parameters, so the shards' "
+                "own transformation would be lost. Use reduce=True (without keep_local), "
+                "which differentiates through it."
             )
         # torch.func's transforms refuse saved-tensor hooks and wrap the shards they see
         self.functorch = any(_is_functorch(s) for s in state.shards)

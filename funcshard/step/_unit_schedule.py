@@ -63,7 +63,6 @@ class Run(UnitGathers):
     def __init__(self, binding: Binding, state: ShardedState, comm: Comm | None = None):
         super().__init__(binding, state, comm)
         layout = self.layout
-        reduction = self.specs[0].reduction if self.specs else "mean"
         grad = torch.is_grad_enabled()
         self.differentiable = tuple(
             grad and not flat.frozen and (s.requires_grad or sink is not None)
@@ -72,7 +71,7 @@ class Run(UnitGathers):
         # the wait nodes come first, before any compute: see [Note: one differentiable gather]
         asynchronous = tuple(  # (a user's reduce runs synchronously)
             d
-            and reduction != "none"
+            and spec.reduction != "none"  # (a buffer kept local: see [Note: units kept local])
             and not self.functorch
             and s.requires_grad
             and not spec.user_reduce

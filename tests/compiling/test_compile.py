@@ -143,6 +143,8 @@ def _grads_both_ways(variant: str, rank: int) -> tuple:
         options = {"reduce": False}
     elif variant == "all_reduce=False":
         mesh, options = {"replicate": 2, "shard": 2}, {"all_reduce": False}
+    elif variant == "keep_local":
+        options = {"keep_local": ("blocks.0",)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frozen="warn" warns
         plan = fs.plan(model, policy=fs.policy.module_classes(units), frozen=frozen)
@@ -159,7 +161,8 @@ def _grads_both_ways(variant: str, rank: int) -> tuple:
 
 
 @pytest.mark.parametrize(
-    "variant", ["frozen unit", "frozen member", "bf16", "reduce=False", "all_reduce=False"]
+    "variant",
+    ["frozen unit", "frozen member", "bf16", "reduce=False", "all_reduce=False", "keep_local"],
 )
 def test_compiled_gradients_equal_eager_ones(variant):
     world = 4 if variant == "all_reduce=False" else 2

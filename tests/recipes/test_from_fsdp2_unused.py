@@ -197,6 +197,11 @@ def _unused_output(directory: str, rank: int) -> dict:
         sorted(fs.reduce(state, functools.reduce(fs.accumulate, local[a:b])).unused)
         for a, b in ((0, 1), (0, 2), (2, 3))
     ]
+    # a unit kept local (keep_local): the usage travels to the reduce that finishes it
+    kept = fs.value_and_grad(
+        lambda s, x: _loss(model, rank, 1, fs.call(model, s, x)), keep_local=("lin1",)
+    )(state, _batch(rank, 1))[1]
+    out["kept local"] = sorted(fs.reduce(state, fs.accumulate(kept, kept)).unused)
     # the counts checkpoint by name; a checkpoint written before they existed loads as zeros
     fs.checkpoint.save(os.path.join(directory, "now"), state, opt_state, step=4)
     old_format = opt_state.__class__(opt_state.step, opt_state.exp_avg, opt_state.exp_avg_sq, {})
@@ -226,7 +231,8 @@ def test_unused_forward_output():
     out, its parameters in the root's unit beside one every step uses (so a unit's buffer
     is partly skipped), resharded after forward or not; on one step one rank uses it (then
     every rank updates it, with the mean gradient). Equal to torch.optim.Adam; the usage
-    combines over micro-batches and the counts survive checkpoints, old ones loading."""
+    combines over micro-batches (also with units kept local) and the counts survive
+    checkpoints, old ones loading."""
     expected = _reference_unused_output()
     lin2 = ["lin2.bias", "lin2.weight"]
     with tempfile.TemporaryDirectory() as directory:
@@ -238,6 +244,7 @@ def test_unused_forward_output():
             for fqn, p in params.items():
                 torch.testing.assert_close(p, expected[fqn], rtol=1e-5, atol=1e-6, msg=fqn)
         assert out["reduced"] == [lin2, [], lin2], out["reduced"]
+        assert out["kept local"] == lin2, out["kept local"]
         assert out["saved"] == {"lin1.weight": 0, "lin1.bias": 0, "lin2.weight": 3,
                                 "lin2.bias": 3, "scale": 0}  # fmt: skip
         assert out["now"] == out["saved"]
