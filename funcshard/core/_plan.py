@@ -304,6 +304,11 @@ def _with_options(
                 f"funcshard.plan: unit {u.name!r} is a keep_fp32 unit (mixed precision off) and "
                 f"mp gives it {policies[u.name]}; give one of the two."
             )
+        if u.name in policies and not u.fqns:  # (the root, when other units own everything)
+            raise ValueError(
+                f"funcshard.plan: mp gives unit {u.name or '<root>'!r} a policy, but it holds "
+                f"no parameters, so nothing would follow it; give the state's (fs.shard(mp=))."
+            )
     policies.update({u.name: MixedPrecision() for u in plan.units if u.keep_fp32})
     return _with_option(plan, "mp", policies)
 

@@ -354,6 +354,8 @@ def test_per_unit_mp_refuses_unknown_units_classes_values_and_conflicts():
     ):
         with pytest.raises(error, match=words):
             fs.plan(model, policy=units, mp=mp)
+    with pytest.raises(ValueError, match="'<root>' a policy, but it holds no parameters"):
+        fs.plan(model, policy=units, mp={"": HALF})
     with pytest.raises(ValueError, match="'c1' is a keep_fp32 unit"):
         fs.plan(model, policy=units, keep_fp32=[_SavesInputs], mp={"c1": HALF})
     with pytest.raises(ValueError, match="'c1', a member of the unit '<c1\\+c2>'"):
