@@ -26,6 +26,7 @@ from funcshard.core import ShardedGrads as ShardedGrads
 from funcshard.core import ShardedState as ShardedState
 from funcshard.core import UngatheredParameterError as UngatheredParameterError
 from funcshard.core import Unit as Unit
+from funcshard.core import UnitOptions as UnitOptions
 from funcshard.core import _policy as policy
 from funcshard.core import extract as extract
 from funcshard.core import fold_in as fold_in
@@ -88,6 +89,7 @@ __all__ = [
     "SplitGraph",
     "UngatheredParameterError",
     "Unit",
+    "UnitOptions",
     "accumulate",
     "apply_updates",
     "call",

@@ -20,6 +20,7 @@ from funcshard.core._state import LocalGrads as LocalGrads
 from funcshard.core._state import ShardedGrads as ShardedGrads
 from funcshard.core._state import ShardedState as ShardedState
 from funcshard.core._ungathered import UngatheredParameterError as UngatheredParameterError
+from funcshard.core._unit_options import UnitOptions as UnitOptions
 
 __all__ = [
     "DonatedError",
@@ -32,6 +33,7 @@ __all__ = [
     "ShardedState",
     "UngatheredParameterError",
     "Unit",
+    "UnitOptions",
     "extract",
     "fold_in",
     "manual_seed",

@@ -35,6 +35,9 @@ class Binding:
     layout: Layout
     unit_names: tuple[str, ...]
     unit_modules: tuple[nn.Module | None, ...]  # None for units of parameters (buckets)
+    # and of several modules
+    unit_members: tuple[tuple[nn.Module, ...], ...]  # the modules whose forward gathers each
+    # unit: its module, a group's members (see [Note: units of several modules]), none
     unit_flats: tuple[tuple[int, ...], ...]  # flat indices of each unit
     unit_params: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]  # per unit, each
     # parameter once, in flat order: (flat index, shape)
@@ -83,6 +86,7 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
     shape_of = dict(zip(layout.fqns, (s for f in layout.flats for s in f.shapes), strict=True))
     _check_shapes(model, layout, shape_of, flat_of)
     units = layout.units
+    members = _members(model, layout)
     unit_of_flat = [units.index(flat.unit) for flat in layout.flats]
     slots_by_unit: list[list[tuple[Slot, str]]] = [[] for _ in units]
     crossing: set[int] = set()
@@ -97,7 +101,7 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
                 unit = unit_of_flat[flat_of[fqn]]
                 if (id(module), attr) not in seen:
                     slots_by_unit[unit].append((Slot(module, attr, True), fqn))
-                if not _inside(join_fqn(prefix, attr), units[unit]):
+                if not any(_inside(join_fqn(prefix, attr), m) for m in members[unit]):
                     crossing.add(unit)
             seen.add((id(module), attr))
         for attr, _ in module.named_buffers(recurse=False):
@@ -115,6 +119,7 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         tuple((i, shape_of[f]) for i in flats for f in layout.flats[i].fqns) for flats in unit_flats
     )
     modules = tuple(_module_or_none(model, u) for u in units)
+    member_modules = tuple(tuple(model.get_submodule(m) for m in names) for names in members)
     param_slots = []
     for unit, (flats, slots) in enumerate(zip(unit_flats, slots_by_unit, strict=True)):
         index = {f: k for k, f in enumerate(f for i in flats for f in layout.flats[i].fqns)}
@@ -127,8 +132,11 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         param_slots.append(tuple(placed))
     root = units.index("") if "" in units else None
     # Buckets, and containers such as ModuleList, have no forward that runs (so no hook
-    # fires): they stay gathered for the whole call (free on a size-1 shard axis).
-    not_called = {k for k, m in enumerate(modules) if m is None or not has_forward(m)}
+    # fires): they stay gathered for the whole call (free on a size-1 shard axis), as does
+    # a group with such a member, whose parameters are read where no hook can tell.
+    not_called = {
+        k for k, ms in enumerate(member_modules) if not ms or not all(map(has_forward, ms))
+    }
     whole = frozenset(crossing | not_called | ({root} if root is not None else set()))
     relinks: dict[int, tuple[nn.Module, list[int]]] = {}
     for unit in sorted(whole):
@@ -143,6 +151,7 @@ def _build_binding(model: nn.Module, layout: Layout) -> Binding:
         layout=layout,
         unit_names=units,
         unit_modules=modules,
+        unit_members=member_modules,
         unit_flats=unit_flats,
         unit_params=unit_params,
         param_slots=tuple(param_slots),
@@ -197,6 +206,16 @@ def _check_shapes(
             f"{f'; and {len(wrong) - 5} more' if len(wrong) > 5 else ''}. Call the model the "
             f"state was sharded from, or shard this one (funcshard.shard)."
         )
+
+
+def _members(model: nn.Module, layout: Layout) -> tuple[tuple[str, ...], ...]:
+    """Each unit's member modules' FQNs: a group's members, a module unit's module, none
+    for a unit of parameters (a bucket)."""
+    groups = dict(layout.unit_groups)
+    return tuple(
+        groups[u] if u in groups else (() if _module_or_none(model, u) is None else (u,))
+        for u in layout.units
+    )
 
 
 def _module_or_none(model: nn.Module, name: str) -> nn.Module | None:

@@ -23,6 +23,7 @@ import torch
 
 from funcshard.comm._mesh import Mesh
 from funcshard.core._plan import Plan, Unit
+from funcshard.core._precision import MixedPrecision
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class FlatLayout:
     fqns: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     shard_size: int
-    keep_fp32: bool = False
+    mp: MixedPrecision | None = None  # its unit's own policy (None: the state's); see
+    # [Note: per-unit options] in funcshard/core/_unit_options.py
     frozen: bool = False
     frozen_fqns: tuple[str, ...] = ()  # frozen members of a trainable buffer (frozen="warn")
 
@@ -70,6 +72,11 @@ class FlatLayout:
             object.__setattr__(self, name, value)
 
     @property
+    def keep_fp32(self) -> bool:
+        """Whether its unit runs with mixed precision off (`keep_fp32`, `MixedPrecision()`)."""
+        return self.mp == MixedPrecision()
+
+    @property
     def name(self) -> str:
         """How errors and tables name this buffer: `unit[dtype]`."""
         return f"{self.unit or '<root>'}[{str(self.dtype).removeprefix('torch.')}]"
@@ -89,6 +96,9 @@ class Layout:
     # (unit, its methods besides forward that gather it): see [Note: units called through
     # other methods] in funcshard/core/_unit_methods.py
     unit_methods: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # (unit, its member modules) of each unit of several modules: see [Note: units of
+    # several modules] in funcshard/core/_unit_groups.py
+    unit_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def replicated_trainable(self) -> tuple[str, ...]:
@@ -232,7 +242,7 @@ def layout_of(plan: Plan, mesh: Mesh | None, shard_size: int | None = None) -> L
                         fqns=tuple(f for f, _ in group),
                         shapes=tuple(s for _, s in group),
                         shard_size=shard_size,
-                        keep_fp32=unit.keep_fp32,
+                        mp=unit.mp,
                         frozen=frozen,
                         frozen_fqns=()
                         if unit.frozen_apart
@@ -247,4 +257,5 @@ def layout_of(plan: Plan, mesh: Mesh | None, shard_size: int | None = None) -> L
         replicated_frozen=plan.ignored_frozen,
         reduce_replicated=plan.reduce_ignored,
         unit_methods=tuple((u.name, u.methods) for u in plan.units if u.methods),
+        unit_groups=tuple((u.name, u.modules) for u in plan.units if len(u.modules) > 1),
     )

@@ -8,10 +8,12 @@ subtree wins ties. A module reached under a second name is not visited again.
 
 Each module's *leftover* is its own parameters plus its children's leftovers, less what a unit
 has already taken. When the policy says "unit" (or the module is a keep_fp32 class), the
-module's leftover becomes that unit. Hence a parameter reachable from several places (tied
-weights) belongs to the first unit in post-order that reaches it, and the root, visited last,
-owns whatever no other unit took. Each parameter is listed under its first FQN in registration
-order, the key `funcshard.extract` gives it. The model is only read.
+module's leftover becomes that unit. Groups of sibling modules become units of their own
+(see [Note: units of several modules] in funcshard/core/_unit_groups.py). Hence a parameter
+reachable from several places (tied weights) belongs to the first unit in post-order that
+reaches it, and the root, visited last, owns whatever no other unit took. Each parameter is
+listed under its first FQN in registration order, the key `funcshard.extract` gives it. The
+model is only read.
 """
 
 from __future__ import annotations
@@ -21,23 +23,29 @@ import hashlib
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tabulate import tabulate
 from torch import nn
 
+from funcshard.core import _unit_groups as unit_groups
 from funcshard.core import _unit_methods as unit_methods
+from funcshard.core import _unit_options as unit_options
 from funcshard.core._module import check_module
 from funcshard.core._policy import Buckets, Policy, module_classes
+from funcshard.core._precision import MixedPrecision
 from funcshard.core._tree import format_names, join_fqn
+from funcshard.core._unit_options import UnitOptions
 
 
 @dataclass(frozen=True)
 class Unit:
-    """One group of parameters that communicate together, owned by the module `name`."""
+    """One group of parameters that communicate together, owned by the module `name` (or,
+    for a synthetic name in angle brackets, by the modules `modules`, or by none: buckets)."""
 
-    name: str  # the module's FQN; "" is the root
+    name: str  # the module's FQN; "" is the root; `<...>` a group's or a bucket's
     fqns: tuple[str, ...]
     numel: int
     dtypes: tuple[torch.dtype, ...]  # the distinct dtypes, in order of first appearance
@@ -47,7 +55,19 @@ class Unit:
     param_dtypes: tuple[torch.dtype, ...]  # one per FQN
     frozen_fqns: tuple[str, ...] = ()  # in a trainable unit (frozen="warn"|"split"): never updated
     frozen_apart: bool = False  # frozen="split": the frozen_fqns get flat buffers of their own
-    methods: tuple[str, ...] = ()  # the module's methods besides forward that gather the unit
+    modules: tuple[str, ...] = ()  # the modules whose forward gathers it: (name,), a group's
+    # members, or none (buckets)
+    options: UnitOptions = field(default_factory=UnitOptions)  # see [Note: per-unit options]
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The module's methods besides forward that gather the unit (`forward_methods`)."""
+        return self.options.methods
+
+    @property
+    def mp(self) -> MixedPrecision | None:
+        """The unit's own mixed-precision policy (`None`: the state's)."""
+        return self.options.mp
 
     def bytes_per_rank(self, world_size: int) -> int:
         """Bytes each rank holds when the unit is sharded evenly (padded) over `world_size`."""
@@ -77,7 +97,8 @@ class Plan:
         return tuple(f for unit in self.units for f in unit.fqns)
 
     def fingerprint(self) -> str:
-        """A stable hash of units, FQNs, shapes, dtypes and flags: equal plans, equal strings."""
+        """A stable hash of units, FQNs, shapes, dtypes, flags, member modules and per-unit
+        options: equal plans, equal strings."""
         text = repr(
             [
                 (
@@ -89,6 +110,8 @@ class Plan:
                     u.frozen,
                     u.frozen_fqns,
                     u.frozen_apart,
+                    u.modules,
+                    repr(u.options),
                 )
                 for u in self.units
             ]
@@ -105,7 +128,7 @@ class Plan:
                 f"{u.numel:,}",
                 f"{u.bytes_per_rank(world_size):,}",
                 ",".join(str(d).removeprefix("torch.") for d in u.dtypes),
-                " ".join(flag for flag, on in (("fp32", u.keep_fp32), ("frozen", u.frozen)) if on),
+                " ".join(_flags(u)),
             ]
             for u in self.units
         ]
@@ -123,6 +146,21 @@ class Plan:
         return self.table(1)
 
 
+def _flags(unit: Unit) -> list[str]:
+    """A unit's flags in `Plan.table`: fp32 (keep_fp32), its own policy's dtypes, frozen."""
+    flags = []
+    if unit.keep_fp32:
+        flags.append("fp32")
+    elif unit.mp is not None:
+        named = zip(("param", "reduce", "output"), (unit.mp.param_dtype, unit.mp.reduce_dtype,
+                                                    unit.mp.output_dtype), strict=True)  # fmt: skip
+        given = [f"{k}={str(d).removeprefix('torch.')}" for k, d in named if d is not None]
+        flags.append("mp " + (",".join(given) or "off"))
+    if unit.frozen:
+        flags.append("frozen")
+    return flags
+
+
 def plan(
     model: nn.Module,
     policy: Policy | Buckets | None = None,
@@ -131,10 +169,15 @@ def plan(
     frozen: str = "error",
     reduce_ignored: bool = True,
     forward_methods: Mapping[str | nn.Module, str | Iterable[str]] | None = None,
+    groups: Iterable[Iterable[nn.Module | str] | nn.Module | str] = (),
+    mp: Mapping[str | nn.Module | type[nn.Module], MixedPrecision] | None = None,
 ) -> Plan:
     """Choose the units of `model` (see [Note: choosing units]); the model is not modified.
 
-    `policy=None` makes one unit, the root. `ignored` modules or parameters (objects or FQNs)
+    `policy=None` makes one unit, the root. `groups` lists units chosen by hand beside the
+    policy, each a list of sibling modules (objects or FQNs) that gather, reshard and reduce
+    as one unit named `<a+b>` (FSDP2's `fully_shard([a, b])`; see [Note: units of several
+    modules]). `ignored` modules or parameters (objects or FQNs)
     stay out of every unit: every rank holds them whole, and they train as under DDP, their
     gradients all-reduced (mean) over every data-parallel rank; `reduce_ignored=False` leaves
     each rank its own gradient (FSDP2's `ignored_params`), so replicas may drift apart.
@@ -147,18 +190,23 @@ def plan(
     warning, where they take zero gradients that are reduced. `forward_methods` maps a
     unit's module (object or FQN) to methods other than `forward` that code outside it
     calls (`{"vit": "forward_features"}`): each call gathers the unit as its forward does
-    (FSDP2's `register_fsdp_forward_method`).
+    (FSDP2's `register_fsdp_forward_method`). `mp` gives units a mixed-precision policy of
+    their own in place of the state's (`shard(..., mp=...)`), keyed by unit name, module
+    (object or FQN) or module class (`{"head": fs.MixedPrecision(param_dtype=torch.float16)}`,
+    FSDP2's per-module `mp_policy`); it does not choose units. Per-unit options are
+    resolved here, once (see [Note: per-unit options]).
     """
     check_module(model, "funcshard.plan")
     methods = unit_methods.resolved(model, forward_methods)
     if isinstance(policy, Buckets):
-        if keep_fp32:
+        if keep_fp32 or groups:
             raise ValueError(
-                "funcshard.plan: keep_fp32 applies to module units; bucket plans hold "
-                "parameters, not modules. Drop keep_fp32 or use a module policy."
+                f"funcshard.plan: {'keep_fp32' if keep_fp32 else 'groups'} applies to module "
+                f"units; bucket plans hold parameters, not modules. Drop it or use a module "
+                f"policy."
             )
         planned = _bucket_plan(model, policy, ignored)
-        return _with_methods(_with_ignored(model, planned, reduce_ignored), methods)
+        return _with_options(model, _with_ignored(model, planned, reduce_ignored), methods, mp)
     if policy is not None and not callable(policy):
         raise TypeError(
             f"funcshard.plan: policy must be callable (module, fqn, unowned_numel) -> bool or "
@@ -172,6 +220,10 @@ def plan(
     first_fqn = {id(p): name for name, p in model.named_parameters()}
     order = {pid: i for i, pid in enumerate(first_fqn)}
     ignored_modules, ignored_params = _resolve_ignored(model, ignored)
+    chosen_groups = unit_groups.resolved(model, groups, ignored_modules)
+    group_of = {fqn: g for g, group in enumerate(chosen_groups) for fqn in group}
+    collected: list[dict[int, nn.Parameter]] = [{} for _ in chosen_groups]
+    visited = [0] * len(chosen_groups)
 
     units: list[Unit] = []
     overridden: list[str] = []
@@ -183,19 +235,39 @@ def plan(
             mine.update(leftover.get(id(child), {}))
         mine = {pid: p for pid, p in mine.items() if pid not in owned}
         leftover[id(module)] = mine
-        if not mine:
-            continue
         is_root = module is model
         fp32 = fp32_policy is not None and fp32_policy(module, fqn, 0) and not is_root
+        if fqn in group_of:  # see [Note: units of several modules]
+            g = group_of[fqn]
+            if fp32:
+                raise ValueError(
+                    f"funcshard.plan: {fqn!r} is in the group {list(chosen_groups[g])} and of "
+                    f"a keep_fp32 class; give the group's unit mp={{...: "
+                    f"MixedPrecision()}} instead, or leave it out of the group."
+                )
+            collected[g].update(mine)
+            leftover[id(module)] = {}
+            visited[g] += 1
+            if visited[g] == len(chosen_groups[g]):
+                params = {pid: p for pid, p in collected[g].items() if pid not in owned}
+                if params:
+                    name = unit_groups.unit_name(chosen_groups[g])
+                    units.append(
+                        _unit(name, params, first_fqn, order, False, frozen, chosen_groups[g])
+                    )
+                    owned.update(params)
+            continue
+        if not mine:
+            continue
         chosen = not is_root and policy is not None and policy(module, fqn, _numel(mine))
         if is_root or fp32 or chosen:
             if fp32 and not chosen:
                 overridden.append(fqn)
-            units.append(_unit(fqn, mine, first_fqn, order, fp32, frozen))
+            units.append(_unit(fqn, mine, first_fqn, order, fp32, frozen, (fqn,)))
             owned.update(mine)
             leftover[id(module)] = {}
     if not units or units[-1].name != "":
-        units.append(_unit("", {}, first_fqn, order, False, frozen))
+        units.append(_unit("", {}, first_fqn, order, False, frozen, ("",)))
     if overridden:
         warnings.warn(
             f"funcshard.plan: keep_fp32 made {len(overridden)} module(s) their own units that "
@@ -206,26 +278,52 @@ def plan(
         )
     ignored_fqns = tuple(first_fqn[pid] for pid in order if pid in ignored_params)
     planned = _with_ignored(model, Plan(units=tuple(units), ignored=ignored_fqns), reduce_ignored)
-    return _with_methods(planned, methods)
+    return _with_options(model, planned, methods, mp)
 
 
-def _with_methods(plan: Plan, methods: unit_methods.Methods) -> Plan:
-    """`plan` with each unit's methods, refusing methods of a module that is no unit's."""
-    if not methods:
-        return plan
-    units = {u.name for u in plan.units}
-    strays = [fqn for fqn in methods if fqn not in units or fqn == ""]
-    if strays:
-        chosen = [u.name for u in plan.units if u.name and not u.name.startswith("<")]
-        raise ValueError(
-            f"funcshard.plan: forward_methods names {strays[0]!r}, which is not a unit's "
-            f"module (the units: {chosen}); make it a unit with the policy (the root's methods "
-            f"are funcshard.call(..., method=...))."
-        )
-    return dataclasses.replace(
-        plan,
-        units=tuple(dataclasses.replace(u, methods=methods.get(u.name, ())) for u in plan.units),
+def _with_options(
+    model: nn.Module,
+    plan: Plan,
+    methods: unit_methods.Methods,
+    mp: Mapping[str | nn.Module | type[nn.Module], MixedPrecision] | None,
+) -> Plan:
+    """`plan` with its per-unit options (see [Note: per-unit options]): each unit's methods
+    (of a unit's own module, not the root's) and mixed-precision policy (keep_fp32 units:
+    `MixedPrecision()`, mixed precision off)."""
+    root_hint = "(the root's methods are funcshard.call(..., method=...))"
+    by_unit = unit_options.by_unit(
+        model, plan.units, methods, "forward_methods", False, False, root_hint, groups=False
     )
+    plan = _with_option(plan, "methods", by_unit)
+    policies = unit_options.by_unit(model, plan.units, mp, "mp")
+    unit_options.check_values("mp", policies, lambda v: isinstance(v, MixedPrecision),
+                              "a funcshard.MixedPrecision")  # fmt: skip
+    for u in plan.units:
+        if u.keep_fp32 and u.name in policies and policies[u.name] != MixedPrecision():
+            raise ValueError(
+                f"funcshard.plan: unit {u.name!r} is a keep_fp32 unit (mixed precision off) and "
+                f"mp gives it {policies[u.name]}; give one of the two."
+            )
+        if u.name in policies and not u.fqns:  # (the root, when other units own everything)
+            raise ValueError(
+                f"funcshard.plan: mp gives unit {u.name or '<root>'!r} a policy, but it holds "
+                f"no parameters, so nothing would follow it; give the state's (fs.shard(mp=))."
+            )
+    policies.update({u.name: MixedPrecision() for u in plan.units if u.keep_fp32})
+    return _with_option(plan, "mp", policies)
+
+
+def _with_option(plan: Plan, option: str, values: Mapping[str, Any]) -> Plan:
+    """`plan` with `values[unit]` as the option `option` of each unit it names."""
+    if not values:
+        return plan
+    units = tuple(
+        dataclasses.replace(u, options=dataclasses.replace(u.options, **{option: values[u.name]}))
+        if u.name in values
+        else u
+        for u in plan.units
+    )
+    return dataclasses.replace(plan, units=units)
 
 
 def _with_ignored(model: nn.Module, plan: Plan, reduce_ignored: bool) -> Plan:
@@ -283,6 +381,7 @@ def _unit(
     order: dict[int, int],
     keep_fp32: bool,
     frozen: str,
+    modules: tuple[str, ...] = (),
 ) -> Unit:
     ordered = sorted(params.items(), key=lambda item: order[item[0]])
     fqns = tuple(first_fqn[pid] for pid, _ in ordered)
@@ -302,6 +401,7 @@ def _unit(
         if any(p.requires_grad for p in tensors)
         else (),
         frozen_apart=mixed and frozen == "split",
+        modules=modules,
     )
 
 

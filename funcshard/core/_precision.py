@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import optree
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from funcshard.core._layout import FlatLayout
 
 
 @dataclass(frozen=True)
@@ -45,16 +43,46 @@ class MixedPrecision:
         return self.reduce_dtype or self.param_dtype or param_dtype
 
 
+class FlatLayout(Protocol):
+    """What the dtype helpers read of a flat buffer (funcshard.core._layout.FlatLayout)."""
+
+    @property
+    def unit(self) -> str: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def mp(self) -> MixedPrecision | None: ...
+
+
+def unit_policy(mp: MixedPrecision | None, flat: FlatLayout) -> MixedPrecision | None:
+    """The policy a flat buffer's unit runs under: its own (`plan(mp=...)`, keep_fp32's
+    `MixedPrecision()`) or else the state's `mp`."""
+    return mp if flat.mp is None else flat.mp
+
+
+def root_policy(mp: MixedPrecision | None, flats: Sequence[FlatLayout]) -> MixedPrecision | None:
+    """The root unit's policy (see `unit_policy`): what the model's inputs are cast with and
+    its outputs cast to."""
+    for flat in reversed(flats):  # (the root's buffers come last)
+        if flat.unit == "":
+            return unit_policy(mp, flat)
+    return mp
+
+
 def gather_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype:
     """The dtype a flat buffer is gathered (and computed) in."""
-    if mp is None or flat.keep_fp32 or mp.param_dtype is None:
+    mp = unit_policy(mp, flat)
+    if mp is None or mp.param_dtype is None:
         return flat.dtype
     return mp.param_dtype
 
 
 def reduce_dtype(mp: MixedPrecision | None, flat: FlatLayout) -> torch.dtype:
     """The dtype a flat buffer's gradients are reduced in."""
-    if mp is None or flat.keep_fp32:
+    mp = unit_policy(mp, flat)
+    if mp is None:
         return flat.dtype
     return mp.reduce_dtype_for(flat.dtype)
 
@@ -81,11 +109,18 @@ def cast_inputs(mp: MixedPrecision | None, args: tuple, kwargs: dict) -> tuple[t
 
 
 def casts_unit_inputs(mp: MixedPrecision | None, flat: FlatLayout) -> bool:
-    """Whether a unit's floating-point inputs are cast (`cast_inputs`) when it runs, as
-    FSDP2 casts each module's, so an fp32 activation (a buffer added, a keep_fp32 unit's
-    output) reaches the next unit in its compute dtype. Not for keep_fp32 units, which take
-    their inputs as they come, as before."""
-    return mp is not None and mp.cast_inputs and mp.param_dtype is not None and not flat.keep_fp32
+    """Whether a unit's floating-point inputs are cast (`cast_inputs`, to its policy's
+    `param_dtype`) when it runs, as FSDP2 casts each module's, so an fp32 activation (a
+    buffer added, a keep_fp32 unit's output) reaches the next unit in its compute dtype.
+    Not for keep_fp32 units (no param_dtype), which take their inputs as they come."""
+    mp = unit_policy(mp, flat)
+    return mp is not None and mp.cast_inputs and mp.param_dtype is not None
+
+
+def casts_unit_outputs(mp: MixedPrecision | None, flat: FlatLayout) -> bool:
+    """Whether a unit's floating-point outputs are cast to an `output_dtype` when it
+    returns: only a unit's own policy's (the state's applies to the model's outputs)."""
+    return flat.mp is not None and flat.mp.output_dtype is not None
 
 
 def cast_outputs(mp: MixedPrecision | None, out: Any) -> Any:

@@ -4,7 +4,8 @@
 funcshard gathers a unit from its module's forward hooks, so a parent that calls
 `self.vit.forward_features(x)` instead of `self.vit(x)` runs the unit's code on the meta
 placeholders in its slots. FSDP2 lets a user name such methods (`register_fsdp_forward_
-method`); here the plan records them per unit (`plan(..., forward_methods=...)`), checked
+method`); here the plan records them per unit (`plan(..., forward_methods=...)`, in the
+unit's options: see [Note: per-unit options] in funcshard/core/_unit_options.py), checked
 against the model when the plan is made (the module must be a unit's, the method must
 exist), and each sharded call wraps those methods of the unit's module for its duration so
 that calling one gathers the unit first and releases it after, as the forward hooks do

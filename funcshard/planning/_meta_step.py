@@ -27,6 +27,7 @@ from funcshard.core._precision import (
     cast_outputs,
     gather_dtype,
     reduce_dtype,
+    root_policy,
 )
 from funcshard.planning._meta_saved import Handle
 from funcshard.step._regather import SavedView, still_held
@@ -50,6 +51,7 @@ class _Call:
         self.aliases: dict[int, Tensor] = {}  # flat index -> a whole-call buffer's alias
         self.whole: dict[int, list[weakref.ref[Tensor]]] = {}  # unit -> its aliases, weakly
         self.started: set[int] = set()  # units backward has asked for
+        self.to_run: dict[int, set[int]] = {}  # an entered group -> its members yet to run
 
 
 class MetaStep:
@@ -122,25 +124,37 @@ class MetaStep:
         ]
         for relinked, units in binding.relinks:
             handles.append(relinked.register_forward_pre_hook(self._relink_hook(units)))
-        for unit, module in enumerate(binding.unit_modules):
-            if unit not in binding.whole_call and module is not None:
-                handles.append(module.register_forward_pre_hook(self._enter_hook(unit)))
+        for unit, members in enumerate(binding.unit_members):
+            group = frozenset(map(id, members)) if len(members) > 1 else None
+            for module in members if unit not in binding.whole_call else ():
+                handles.append(module.register_forward_pre_hook(self._enter_hook(unit, group)))
                 handles.append(
                     module.register_forward_hook(self._leave_hook(unit), always_call=True)
                 )
         return handles
 
-    def _enter_hook(self, unit: int) -> Callable[..., None]:
+    def _enter_hook(self, unit: int, group: frozenset[int] | None) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if self.current is not None:
-                self._enter(self.current, unit)
+            call = self.current
+            if call is not None and (group is None or unit not in call.to_run):
+                if group is not None:  # a group: entered by its first member to run
+                    call.to_run[unit] = set(group)
+                self._enter(call, unit)
 
         return hook
 
     def _leave_hook(self, unit: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.current is not None:
-                self._leave(self.current, unit)
+            call = self.current
+            if call is None:
+                return
+            to_run = call.to_run.get(unit)
+            if to_run is not None:  # a group: left once each member has run
+                to_run.discard(id(module))
+                if to_run:
+                    return
+                del call.to_run[unit]
+            self._leave(call, unit)
 
         return hook
 
@@ -166,7 +180,7 @@ class MetaStep:
                 self._enter(call, unit)
             else:
                 self._swap_out(unit)
-        return cast_inputs(self.mp, args, kwargs)
+        return cast_inputs(root_policy(self.mp, self.layout.flats), args, kwargs)
 
     def _end(self, model: nn.Module, args: tuple, output: Any) -> Any:
         """The model's call returns: keep what backward needs, cast the outputs."""
@@ -188,7 +202,7 @@ class MetaStep:
                 call.whole[unit] = [weakref.ref(call.aliases[i]) for i in flats]
         call.aliases = {}
         call.params.clear()  # views whose nodes hold the call: a cycle through autograd
-        return cast_outputs(self.mp, output)
+        return cast_outputs(root_policy(self.mp, self.layout.flats), output)
 
     def _enter(self, call: _Call, unit: int) -> None:
         if unit not in self.binding.whole_call:

@@ -81,7 +81,8 @@ def call(
     comm: Comm | None = None,
 ) -> Any:
     """`funcshard.call` on a sharded state while dynamo traces (see the note above)."""
-    args, kwargs = precision.cast_inputs(state.mp, args, kwargs)
+    mp = precision.root_policy(state.mp, state.layout.flats)  # the state's, or the root's own
+    args, kwargs = precision.cast_inputs(mp, args, kwargs)
     out, new_buffers = call_on_dict(
         model,
         full_params(state, comm),
@@ -91,5 +92,5 @@ def call(
         method=method,
         **kwargs,
     )
-    out = precision.cast_outputs(state.mp, out)
+    out = precision.cast_outputs(mp, out)
     return (out, new_buffers) if mutable else out

@@ -36,7 +36,7 @@ from funcshard.comm._comm import Comm
 from funcshard.core import _recompute as recompute
 from funcshard.core._binding import bind, get_slot, restore_snapshot, set_slot, snapshot_slots
 from funcshard.core._module import call as call_on_dict
-from funcshard.core._precision import cast_inputs, cast_outputs
+from funcshard.core._precision import cast_inputs, cast_outputs, root_policy
 from funcshard.core._state import ShardedState, ensure_live
 from funcshard.step import _compiled as compiled
 from funcshard.step import _inplace as inplace
@@ -126,7 +126,8 @@ def _eager_call(
     new_buffers = {
         k: v.clone() for k, v in (buffers if buffers is not None else state.buffers).items()
     }
-    args, kwargs = cast_inputs(state.mp, args, kwargs)
+    mp = root_policy(state.mp, state.layout.flats)  # the state's, or the root unit's own
+    args, kwargs = cast_inputs(mp, args, kwargs)
     originals = snapshot_slots(binding)
     hooks = install_hooks(binding, run)
     try:
@@ -159,5 +160,5 @@ def _eager_call(
         restore_snapshot(originals)
         run.drain()
     run.after_call()
-    out = cast_outputs(state.mp, out)
+    out = cast_outputs(mp, out)
     return (out, new_buffers) if mutable else out

@@ -13,7 +13,12 @@ parameters are also used from outside its own module (a tied weight across units
 gathered for the whole call. Outside its unit's forward a parameter slot holds a
 placeholder that refuses to compute (see [Note: placeholders that refuse to compute] in
 funcshard/core/_ungathered.py); methods the plan names gather the unit as forward does
-(see [Note: units called through other methods] in funcshard/core/_unit_methods.py).
+(see [Note: units called through other methods] in funcshard/core/_unit_methods.py). A unit
+of several modules has the hooks on each member: gathered when the first starts, released
+once each has run (see [Note: units of several modules] in funcshard/core/_unit_groups.py).
+A unit with a policy of its own (`plan(mp=...)`) casts its inputs to its compute dtype and,
+with an `output_dtype`, its outputs, in these hooks: eagerly only, as the per-unit input
+cast (a compiled step casts the model's inputs and outputs, by the root unit's policy).
 
 Differentiation is autograd's own: each gather is an autograd node whose backward reduces, so
 the call is a differentiable function of `state.shards`. Autograd runs ready nodes newest
@@ -89,9 +94,15 @@ class Run(UnitGathers):
         self.with_grad = [False] * n_units  # the grad mode `params` were made under
         self.relinked: set[int] = set()  # whole-call units given their later gather node
         # nothing to free on a size-1 shard axis, where the "gathered" buffers are the shards
-        # themselves (unless mixed precision or offload made them copies)
+        # themselves (unless mixed precision, the state's or a unit's, or offload made them
+        # copies)
         alone = collectives.alone(layout.mesh.shard_group)
-        copies = not alone or state.mp is not None or state.offload
+        copies = (
+            not alone
+            or state.mp is not None
+            or state.offload
+            or any([flat.mp is not None for flat in layout.flats])
+        )
         reshard = state.reshard_after_forward is not False and copies
         if reshard and self.functorch and any(self.differentiable):
             _warn_kept_gathered()
@@ -282,16 +293,18 @@ def install_hooks(binding: Binding, run: Run) -> list[Any]:
     # the gathered parameters, not placeholders
     handles = []
     entries = _Entries(run, binding)
-    for unit, module in enumerate(binding.unit_modules):
+    for unit, members in enumerate(binding.unit_members):
         if unit in binding.whole_call:
             continue
-        assert module is not None  # a unit without a module (buckets) is a whole-call one
-        if entries.casts[unit]:
-            hook = _casting_pre_hook(entries, unit)
-            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
-        else:
-            handles.append(module.register_forward_pre_hook(_pre_hook(entries, unit), prepend=True))
-        handles.append(module.register_forward_hook(_post_hook(entries, unit), always_call=True))
+        for module in members:  # one, or a group's (see [Note: units of several modules])
+            if entries.casts[unit]:
+                pre = module.register_forward_pre_hook(
+                    _casting_pre_hook(entries, unit), with_kwargs=True, prepend=True
+                )
+            else:
+                pre = module.register_forward_pre_hook(_pre_hook(entries, unit), prepend=True)
+            post = _casting_post_hook if entries.policies[unit] is not None else _post_hook
+            handles += [pre, module.register_forward_hook(post(entries, unit), always_call=True)]
     handles += [
         module.register_forward_pre_hook(_relink_hook(run, units), prepend=True)
         for module, units in binding.relinks
@@ -304,30 +317,63 @@ def install_hooks(binding: Binding, run: Run) -> list[Any]:
 class _Entries:
     """Enters and leaves units for the hooks and the wrapped methods of one call, counting
     how deep each is entered, so a method that calls forward (or forward that calls it)
-    gathers its unit once."""
+    gathers its unit once. A unit of several modules is entered when the first of them
+    starts and left once each has run and none is running (FSDP2's group hooks), so it is
+    gathered once for all of them (see [Note: units of several modules])."""
 
     def __init__(self, run: Run, binding: Binding) -> None:
-        self.run, self.mp = run, run.state.mp
-        self.depth = [0] * len(binding.unit_names)
-        # whose inputs are cast as they run (see `precision.casts_unit_inputs`)
+        self.run, mp = run, run.state.mp
+        n_units = len(binding.unit_names)
+        self.depth = [0] * n_units  # member forwards (or methods) running now
+        self.entered = [False] * n_units
+        self.groups = [
+            frozenset(map(id, members)) if len(members) > 1 else None
+            for members in binding.unit_members
+        ]
+        self.to_run: list[set[int] | None] = [None] * n_units  # a group's members not yet
+        # run since it was entered
+        # whose inputs are cast as they run, and to what (see `precision.casts_unit_inputs`)
         flats = run.layout.flats
-        self.casts = [
-            precision.casts_unit_inputs(self.mp, flats[unit_flats[0]]) if unit_flats else False
+        self.mp = [
+            precision.unit_policy(mp, flats[unit_flats[0]]) if unit_flats else mp
             for unit_flats in binding.unit_flats
+        ]
+        self.casts = [
+            precision.casts_unit_inputs(mp, flats[unit_flats[0]]) if unit_flats else False
+            for unit_flats in binding.unit_flats
+        ]
+        # a unit's own policy with an output dtype: its outputs are cast as it returns
+        self.policies = [
+            self.mp[unit]
+            if unit_flats and precision.casts_unit_outputs(mp, flats[unit_flats[0]])
+            else None
+            for unit, unit_flats in enumerate(binding.unit_flats)
         ]
 
     def enter(self, unit: int) -> bool:
         """Enter `unit` unless it is already entered; whether this entered it."""
         self.depth[unit] += 1
-        if self.depth[unit] != 1:
+        if self.entered[unit]:
             return False
+        self.entered[unit] = True
+        group = self.groups[unit]
+        if group is not None:
+            self.to_run[unit] = set(group)
         chaos.point()
         self.run.enter(unit)
         return True
 
-    def leave(self, unit: int) -> None:
+    def leave(self, unit: int, module: nn.Module | None = None) -> None:
+        """`module` (of `unit`) has run: leave the unit if nothing of it runs or is to run."""
         self.depth[unit] -= 1
+        to_run = self.to_run[unit]
+        if to_run is not None:
+            to_run.discard(id(module))
+            if to_run:
+                return
         if self.depth[unit] == 0:
+            self.entered[unit] = False
+            self.to_run[unit] = None
             chaos.point()
             self.run.leave(unit)
 
@@ -355,10 +401,10 @@ def _gathering(entries: _Entries, unit: int, module: nn.Module, method: str) -> 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         try:
             if entries.enter(unit) and entries.casts[unit]:
-                args, kwargs = precision.cast_inputs(entries.mp, args, kwargs)
-            return original(*args, **kwargs)
+                args, kwargs = precision.cast_inputs(entries.mp[unit], args, kwargs)
+            return precision.cast_outputs(entries.policies[unit], original(*args, **kwargs))
         finally:
-            entries.leave(unit)
+            entries.leave(unit, module)
 
     return wrapped
 
@@ -398,20 +444,33 @@ def _pre_hook(entries: _Entries, unit: int) -> Callable[..., None]:
 
 
 def _casting_pre_hook(entries: _Entries, unit: int) -> Callable[..., tuple[tuple, dict] | None]:
-    """`_pre_hook` that also casts the unit's floating-point inputs to `param_dtype` (as
-    FSDP2 casts each module's: a unit after an fp32 buffer's add, or after a keep_fp32
-    unit, gets its compute dtype's inputs)."""
+    """`_pre_hook` that also casts the unit's floating-point inputs to its policy's
+    `param_dtype` (as FSDP2 casts each module's: a unit after an fp32 buffer's add, or after
+    a keep_fp32 unit, gets its compute dtype's inputs). Each member of a group casts its own:
+    a later member may take inputs from outside the group."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not entries.enter(unit):
-            return None
-        return precision.cast_inputs(entries.mp, args, kwargs)
+        if not entries.enter(unit) and entries.groups[unit] is None:
+            return None  # (a module unit entered already: a method of it called forward)
+        return precision.cast_inputs(entries.mp[unit], args, kwargs)
 
     return hook
 
 
 def _post_hook(entries: _Entries, unit: int) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        entries.leave(unit)
+        entries.leave(unit, module)
+
+    return hook
+
+
+def _casting_post_hook(entries: _Entries, unit: int) -> Callable[..., Any]:
+    """`_post_hook` that also casts the unit's floating-point outputs to its own policy's
+    `output_dtype` (FSDP2's per-module `output_dtype`)."""
+    policy = entries.policies[unit]
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        entries.leave(unit, module)
+        return precision.cast_outputs(policy, output)
 
     return hook

@@ -131,14 +131,16 @@ def _grads_both_ways(variant: str, rank: int) -> tuple:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2))
     mesh, options, mp, units, frozen = {"shard": 2}, {}, None, {Block}, "error"
+    groups, per_unit = (), None
     if variant == "frozen unit":
         model.wpe.weight.requires_grad_(False)
         units = {Block, nn.Embedding}
     elif variant == "frozen member":
         model.wpe.weight.requires_grad_(False)
         frozen = "warn"
-    elif variant == "bf16":
+    elif variant == "bf16":  # with a unit of two modules, and one reduced in its own bf16
         mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        groups, per_unit = [["ln_f", "head"]], {"blocks.1": fs.MixedPrecision(torch.bfloat16)}
     elif variant == "reduce=False":
         options = {"reduce": False}
     elif variant == "all_reduce=False":
@@ -147,7 +149,8 @@ def _grads_both_ways(variant: str, rank: int) -> tuple:
         options = {"keep_local": ("blocks.0",)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frozen="warn" warns
-        plan = fs.plan(model, policy=fs.policy.module_classes(units), frozen=frozen)
+        policy = fs.policy.module_classes(units)
+        plan = fs.plan(model, policy, frozen=frozen, groups=groups, mp=per_unit)
     state = fs.shard(model, plan, fs.Mesh(**mesh), mp=mp)
     x, y = random_tokens(model.cfg, 2, seed=rank)
 
