@@ -68,7 +68,7 @@ def _split(
                         fqns=tuple(f for f, _ in group),
                         shapes=tuple(s for _, s in group),
                         shard_size=template.shard_size,
-                        keep_fp32=template.keep_fp32,
+                        mp=template.mp,
                         frozen=still,
                     )
                 )
