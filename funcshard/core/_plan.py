@@ -33,6 +33,7 @@ from torch import nn
 from funcshard.core import _unit_groups as unit_groups
 from funcshard.core import _unit_methods as unit_methods
 from funcshard.core import _unit_options as unit_options
+from funcshard.core._ignored import resolve_ignored
 from funcshard.core._module import check_module
 from funcshard.core._policy import Buckets, Policy, module_classes
 from funcshard.core._precision import MixedPrecision
@@ -219,7 +220,7 @@ def plan(
     fp32_policy = module_classes(keep_fp32) if keep_fp32 else None
     first_fqn = {id(p): name for name, p in model.named_parameters()}
     order = {pid: i for i, pid in enumerate(first_fqn)}
-    ignored_modules, ignored_params = _resolve_ignored(model, ignored)
+    ignored_modules, ignored_params = resolve_ignored(model, ignored)
     chosen_groups = unit_groups.resolved(model, groups, ignored_modules)
     group_of = {fqn: g for g, group in enumerate(chosen_groups) for fqn in group}
     collected: list[dict[int, nn.Parameter]] = [{} for _ in chosen_groups]
@@ -345,7 +346,7 @@ def _bucket_plan(
     """DDP's buckets as units: see `funcshard.policy.buckets`. Frozen parameters form one
     unit of their own (never reduced); unit names are in angle brackets, which no module FQN
     can contain."""
-    _, ignored_params = _resolve_ignored(model, ignored)
+    _, ignored_params = resolve_ignored(model, ignored)
     first_fqn = {id(p): name for name, p in model.named_parameters()}
     order = {pid: i for i, pid in enumerate(first_fqn)}
     params = {id(p): p for p in model.parameters() if id(p) not in ignored_params}
@@ -452,54 +453,3 @@ def _post_order(model: nn.Module, skip: set[int]) -> Iterator[tuple[str, nn.Modu
         yield fqn, module
 
     yield from visit("", model)
-
-
-def _resolve_ignored(
-    model: nn.Module, ignored: Iterable[nn.Module | nn.Parameter | str]
-) -> tuple[set[int], set[int]]:
-    """Ids of the ignored modules and of every parameter they (or the list itself) name."""
-    modules: set[int] = set()
-    params: set[int] = set()
-    all_params = {id(p) for p in model.parameters()}
-    all_modules = {id(m) for m in model.modules()}
-    unknown = []
-    for item in ignored:
-        if isinstance(item, str):
-            found = _lookup(model, item)
-            if found is None:
-                unknown.append(repr(item))
-                continue
-            item = found
-        if isinstance(item, nn.Module) and id(item) in all_modules:
-            if item is model:
-                raise ValueError(
-                    "funcshard.plan: the root module cannot be ignored; pass its children instead."
-                )
-            modules.add(id(item))
-            params.update(id(p) for p in item.parameters())
-        elif isinstance(item, torch.Tensor) and id(item) in all_params:
-            params.add(id(item))
-        else:
-            unknown.append(_describe(item))
-    if unknown:
-        raise ValueError(
-            f"funcshard.plan: ignored names {', '.join(unknown)}, which are not modules or "
-            f"parameters of this {type(model).__name__}. Pass submodules, parameters, or their "
-            f"FQNs from model.named_modules()/named_parameters()."
-        )
-    return modules, params
-
-
-def _lookup(model: nn.Module, fqn: str) -> nn.Module | nn.Parameter | None:
-    for getter in (model.get_submodule, model.get_parameter):
-        try:
-            return getter(fqn)
-        except AttributeError:
-            continue
-    return None
-
-
-def _describe(item: object) -> str:
-    if isinstance(item, torch.Tensor):
-        return f"a tensor of shape {tuple(item.shape)}"
-    return type(item).__name__

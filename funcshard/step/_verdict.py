@@ -1,0 +1,105 @@
+"""A step's verdict: every rank's non-finite flags (and the unused parameters' words, and the
+collectives' trail) as one all-gather delivered them, read on the host only when asked
+(see [Note: one decision for all ranks] in funcshard/step/_finite.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from funcshard.comm import _trail as trail
+
+
+class Verdict:
+    """Whether a step's loss and gradients were finite on every rank: every rank's flags,
+    gathered by a collective issued when the gradients were ready and waited for on first
+    reading. Every rank reads the same flags, so every rank decides alike."""
+
+    def __init__(
+        self,
+        every: Tensor,
+        names: list[str],
+        ranks: list[int],
+        trails: bool = False,
+        scope: str = "every rank",
+        traced: bool = False,
+        words: int = 0,
+    ) -> None:
+        # every rank's flags, then `words` int64 of unused parameters (see [Note: unused
+        # parameters] in funcshard/step/_usage.py), then its trail (with `trails`), by rank
+        self._every = every
+        self.names, self.ranks, self._trails = names, ranks, trails
+        self._words = words
+        self.scope = scope  # who decides alike, in words
+        self.traced = traced  # `_every` is a node of a graph being compiled: never read here
+        self._parts: tuple[Verdict, Verdict] | None = None  # of a merged verdict
+        self._rows: list[list[int]] | None = None
+        self.acted = False  # an optimizer has decided on it (warned, or counted it finite)
+
+    def rows(self) -> list[list[int]]:
+        """Per rank: [loss not finite, then one flag per leaf]."""
+        if self._rows is None and self._parts is not None:
+            a, b = (part.rows() for part in self._parts)
+            self._rows = [
+                [max(x, y) for x, y in zip(p, q, strict=True)] for p, q in zip(a, b, strict=True)
+            ]
+        if self._rows is None:
+            every = self._every.tolist()  # (one flat list: cheaper than nested ones)
+            width = len(every) // len(self.ranks)
+            starts = range(0, len(every), width)
+            if self._trails:
+                trail.check(self.ranks, [every[i + width - 2 : i + width] for i in starts])
+                width -= 2
+            width -= self._words
+            self._rows = [every[i : i + width] for i in starts]
+        return self._rows
+
+    def finite(self) -> bool:
+        return not any(any(row) for row in self.rows())
+
+    def width(self) -> int:
+        """Ints each rank sent."""
+        return self._every.numel() // len(self.ranks)
+
+    def ok(self) -> Tensor:
+        """Whether every rank's flags are clear, as a boolean tensor: what a traced step
+        decides on without reading anything on the host (see [Note: a compiled step's
+        skip is a masked update])."""
+        return self._every.eq(0).all()
+
+    def problems(self) -> str:
+        """Where the NaN or inf were, the same words on every rank."""
+        rows = self.rows()
+        problems = []
+        bad_loss = [r for r, row in zip(self.ranks, rows, strict=True) if row[0]]
+        bad_grads = any(any(row[1:]) for row in rows)
+        if bad_loss and not bad_grads:
+            problems.append(
+                f"the loss on ranks {bad_loss}, whose gradients are all finite: an empty "
+                f"batch on those ranks? (a mean over no elements is NaN, its gradient zero)"
+            )
+        elif bad_loss:
+            problems.append(f"the loss on ranks {bad_loss}")
+        bad = [
+            (name, [r for r, row in zip(self.ranks, rows, strict=True) if row[i]])
+            for i, name in enumerate(self.names, start=1)
+        ]
+        bad = [(name, holders) for name, holders in bad if holders]
+        if bad:
+            name, holders = bad[0]
+            more = f", and {len(bad) - 1} more gradient leaves" if len(bad) > 1 else ""
+            problems.append(f"gradients of {name} (on ranks {holders}) first{more}")
+        return "; ".join(problems)
+
+    def merged(self, other: Verdict | None) -> Verdict:
+        """The verdict on the sum of two gradients (`accumulate`): not finite where either
+        was not."""
+        if other is None:
+            return self
+        if self.traced:  # (both are: one step is traced as a whole)
+            every = torch.maximum(self._every, other._every)
+            return Verdict(every, self.names, self.ranks, scope=self.scope, traced=True)
+        merged = Verdict(self._every, self.names, self.ranks, scope=self.scope)
+        merged._parts = (self, other)  # read when the merged verdict first is (lazily: a
+        return merged  # micro-batch waits for no flags)
