@@ -140,10 +140,20 @@ class Segments:
 
     def per_element(self, i: int, per_param: Sequence[bool] | Tensor, fill: Any = False) -> Tensor:
         """Leaf `i`'s elements (a flat shard's) each given its owner's value of `per_param`
-        (one per `fqns[i]`), padding `fill`: `expand` for one leaf, from a list too."""
+        (one per `fqns[i]`), padding `fill`. Made from this rank's pieces (they lie one
+        after another, then the padding), so no per-element owner index is built or kept:
+        what it returns is all it allocates (a step's unused-parameter mask is made anew
+        each time, and dropped with the step)."""
+        leaf = self._leaves[i]
         values = torch.as_tensor(per_param, device=self._device)
+        at = {f: j for j, f in enumerate(leaf.fqns)}
+        pieces = _pieces(leaf)
+        counts = [p.local.stop - p.local.start for p in pieces]
+        numel = sum(counts) if leaf.packed or leaf.flat is None else leaf.flat.shard_numel
         padding = torch.as_tensor(fill, dtype=values.dtype, device=self._device).reshape(1)
-        return torch.cat([values, padding])[_owner_index(self._leaves[i], self._device)]
+        chosen = torch.cat([values[[at[p.fqn] for p in pieces]], padding])
+        repeats = torch.tensor([*counts, numel - sum(counts)], device=self._device)
+        return torch.repeat_interleave(chosen, repeats, output_size=numel)
 
     def mask(self, where: Where) -> list[bool | Tensor]:
         """Per leaf, where `where` holds: a bool for a whole tensor, a bool tensor (padding
