@@ -24,6 +24,7 @@ from funcshard.optim._rates import LearningRate, _check_betas, _check_rates, _lr
 from funcshard.optim._segments import Where, segments
 
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+Decay = bool | tuple[slice, ...]  # a leaf's weight decay: all, none, or these slices of it
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,8 +169,9 @@ def adamw(
     `weight_decay_mask` decays only the parameters it holds for: a predicate `(fqn, param)
     -> bool` (`param` a meta tensor of the full shape) or a dict FQN -> bool, e.g.
     `lambda fqn, p: p.ndim >= 2` for no decay on biases and norm weights, which equals
-    torch.optim.AdamW with two param groups. On flat shards the per-element mask is built
-    from the layout once (see [Note: per-parameter views of a shard]).
+    torch.optim.AdamW with two param groups. On flat shards it is a per-parameter choice
+    applied to this rank's slices of the chosen parameters (`segments(...).runs`, see [Note:
+    per-parameter views of a shard]): no per-element mask is made or kept.
     """
     return _adam_family("adamw", lr, betas, eps, weight_decay, True, weight_decay_mask)
 
@@ -195,20 +197,26 @@ def _adam_family(
             skipped_steps=unused.zero_counts(params),
         )
 
-    def decays(params: Any) -> list[bool | Tensor]:
-        """Per leaf: decay it all (True), none of it (False), or where a bool tensor holds."""
+    def decays(params: Any) -> list[Decay]:
+        """Per leaf: decay it all (True), none of it (False), or on these slices of it."""
         if weight_decay_mask is None or not weight_decay:
             return [True] * len(_param_leaves(params))
-        return segments(params).mask(weight_decay_mask)
+        return segments(params).runs(weight_decay_mask)
 
-    def masked_decay(target: Tensor, g: Tensor, where: Tensor, rate: float, donate: bool):
-        """Apply a partial decay by hand (the kernel then runs with none): decoupled, scale
-        the parameter first, as torch.optim.AdamW does; else add it to the gradient."""
+    def masked_decay(
+        target: Tensor, g: Tensor, where: tuple[slice, ...], rate: float, donate: bool
+    ):
+        """Apply a partial decay by hand, slice by slice (the kernel then runs with none):
+        decoupled, scale the parameter first, as torch.optim.AdamW does; else add it to the
+        gradient, as torch.optim.Adam does."""
         if decoupled:
-            target.mul_(torch.where(where, 1 - rate * weight_decay, 1.0).to(target.dtype))
+            for run in where:
+                target[run].mul_(1 - rate * weight_decay)
             return g
-        term = target * where * weight_decay
-        return g.add_(term) if donate else g + term
+        g = g if donate else g.clone()
+        for run in where:
+            g[run].add_(target[run], alpha=weight_decay)
+        return g
 
     def fused_step_of(
         target: Tensor,
@@ -217,12 +225,12 @@ def _adam_family(
         v: Tensor,
         step: Tensor,
         rate: float,
-        decay: bool | Tensor = True,
+        decay: Decay = True,
         donate: bool = False,
     ) -> None:
-        """torch's fused Adam(W) kernel on one tensor, its decay whole, none, or where a bool
-        tensor holds: writes `target`, `m` and `v` in place."""
-        if isinstance(decay, Tensor):
+        """torch's fused Adam(W) kernel on one tensor, its decay whole, none, or on some
+        slices: writes `target`, `m` and `v` in place."""
+        if isinstance(decay, tuple):
             g = masked_decay(target, g, decay, rate, donate)
         fused_many([target], [g], [m], [v], step, rate, weight_decay if decay is True else 0.0)
 
@@ -307,7 +315,7 @@ def _adam_family(
                 fused_step_of(new, g, m, v, step, rate, decay, donate)
                 updates[i], m_all[i], v_all[i] = new.sub_(p), m, v
                 continue
-            decayed = p if decay is True else p * decay  # (decay False: p * False is zeros)
+            decayed = _decayed_part(p, decay)
             # otherwise torch.optim.adam's single-tensor kernel, writing the update instead;
             # like it, complex tensors are treated as pairs of reals
             if p.is_complex():
@@ -370,7 +378,7 @@ def _adam_family(
             m_old, v_old = cast(Tensor, m_all[i]), cast(Tensor, v_all[i])
             m, v = m_old.clone(), v_old.clone()
             decay = decay_of[i]
-            decayed = p if decay is True else p * decay
+            decayed = _decayed_part(p, decay)
             if p.is_complex():  # as pairs of reals, as torch.optim does
                 g_r, decayed = torch.view_as_real(g), torch.view_as_real(decayed)
                 m_r, v_r = torch.view_as_real(m), torch.view_as_real(v)
@@ -458,3 +466,13 @@ def restart_counts(opt_state: Any, fqns: frozenset[str]) -> Any:
         return dataclasses.replace(node, skipped_steps=counts)
 
     return torch_pytree.tree_map(restarted, opt_state, is_leaf=lambda n: isinstance(n, AdamState))
+
+
+def _decayed_part(p: Tensor, decay: Decay) -> Tensor:
+    """What weight decay applies to: `p` where it decays, zero elsewhere."""
+    if decay is True:
+        return p
+    part = torch.zeros_like(p)
+    for run in decay if isinstance(decay, tuple) else ():
+        part[run] = p[run]
+    return part

@@ -70,6 +70,7 @@ class Segments:
         self._group = group  # the shard axis, or None for a dict
         self._device = device
         self._masks: dict[int, tuple[Where, list[bool | Tensor]]] = {}  # built once per mask
+        self._runs: dict[int, tuple[Where, list[bool | tuple[slice, ...]]]] = {}  # and per `runs`
 
     @property
     def fqns(self) -> tuple[tuple[str, ...], ...]:
@@ -154,6 +155,28 @@ class Segments:
         chosen = torch.cat([values[[at[p.fqn] for p in pieces]], padding])
         repeats = torch.tensor([*counts, numel - sum(counts)], device=self._device)
         return torch.repeat_interleave(chosen, repeats, output_size=numel)
+
+    def runs(self, where: Where) -> list[bool | tuple[slice, ...]]:
+        """Per leaf, where `where` holds as this rank's slices of it: True (all of it),
+        False (none), or the runs of adjacent pieces whose parameters it holds for. Built
+        once per predicate and kept, as `mask`, but holding no per-element tensor: what
+        weight decay masks take (a per-parameter choice applied slice by slice)."""
+        cached = self._runs.get(id(where))
+        if cached is not None and cached[0] is where:
+            return cached[1]
+        holds = _predicate(where, self.fqns)
+        out: list[bool | tuple[slice, ...]] = []
+        for i, params in enumerate(self.params):
+            chosen = {f for f, p in params if holds(f, p)}
+            if len(chosen) == len(params) or not chosen:
+                out.append(bool(chosen))
+                continue
+            if self._leaves[i].flat is None:  # (one parameter: decided above)
+                out.append(bool(chosen))
+                continue
+            out.append(_runs_of(_pieces(self._leaves[i]), chosen))
+        self._runs[id(where)] = (where, out)
+        return out
 
     def mask(self, where: Where) -> list[bool | Tensor]:
         """Per leaf, where `where` holds: a bool for a whole tensor, a bool tensor (padding
@@ -255,6 +278,20 @@ def _pieces(leaf: _Leaf) -> tuple[Piece, ...]:
         )
         for p in shard_pieces(flat, leaf.shard_rank, leaf.fqns if leaf.packed else None)
     )
+
+
+def _runs_of(pieces: Sequence[Piece], chosen: set[str]) -> tuple[slice, ...]:
+    """The slices of a leaf covered by the pieces of `chosen` parameters, adjacent ones
+    merged (pieces lie one after another in the leaf)."""
+    runs: list[slice] = []
+    for p in pieces:
+        if p.fqn not in chosen or p.local.stop == p.local.start:
+            continue
+        if runs and runs[-1].stop == p.local.start:
+            runs[-1] = slice(runs[-1].start, p.local.stop)
+        else:
+            runs.append(p.local)
+    return tuple(runs)
 
 
 def _owner_index(leaf: _Leaf, device: torch.device) -> Tensor:

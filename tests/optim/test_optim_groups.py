@@ -176,3 +176,36 @@ def test_each_group_sees_only_its_own_gradients():
     for fqn, g in grads.items():
         expected = -g * scale if fqn in mine else -g
         torch.testing.assert_close(updates[fqn], expected)
+
+
+def _kept_bytes(kind: str, rank: int) -> tuple[int, int]:
+    """Bytes a masked AdamW keeps alive across two steps beyond the state and moments (the
+    state's own tensors adopted first), and the shard's elements; a model of shapes no
+    other test uses, so no cache of an earlier test holds anything for it."""
+    from funcshard.testing.memory import LiveTensors
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.LayerNorm(53))
+    state = fs.shard(model, fs.plan(model), fs.Mesh(shard=2))
+    step_fn = fs.value_and_grad(lambda s, x: fs.call(model, s, x).square().mean())
+    mask = (lambda fqn, p: p.ndim >= 2) if kind == "masked" else None
+    opt = fs.optim.adamw(LR, weight_decay=WD, weight_decay_mask=mask)
+    opt_state, x = opt.init(state), torch.randn(4, 37)
+    with LiveTensors() as live:
+        live.adopt((state, opt_state))
+        start = live.live
+        for _ in range(2):
+            _, grads = step_fn(state, x)
+            state, opt_state = opt.step(grads, opt_state, state)
+        del grads
+        kept = live.live - start
+    return kept, sum(s.numel() for s in state.shards)
+
+
+def test_a_weight_decay_mask_keeps_no_per_element_tensor_between_steps():
+    """issue 52: a mask is a per-parameter choice applied to slices of the shard, not a bool
+    tensor and an int64 owner index per element kept across steps (17 bytes per element)."""
+    masked = testing.run(functools.partial(_kept_bytes, "masked"), world_size=2)
+    plain = testing.run(functools.partial(_kept_bytes, "plain"), world_size=2)
+    for (kept, numel), (kept_plain, _) in zip(masked, plain, strict=True):
+        assert kept - kept_plain < numel // 2, (kept, kept_plain, numel)
