@@ -145,9 +145,10 @@ class Mesh:
     def _build_device_mesh(self, where: str) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
-                f"{where}: torch.distributed is not initialized. Launch with torchrun and use "
-                f"Mesh.from_env(), or call torch.distributed.init_process_group(...) first "
-                f"(funcshard.testing.run does this for tests)."
+                f"{where}: torch.distributed is not initialized. Use Mesh.from_env() (under "
+                f"torchrun: every rank; plain python: one process), or call "
+                f"torch.distributed.init_process_group(...) first (funcshard.testing.run does "
+                f"this for tests)."
             )
         world = dist.get_world_size()
         if self.replicate * self.shard != world:
