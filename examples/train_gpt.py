@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py [--steps 300] [--mode fsdp]
         [--optimizer adamw|muon]
+    python examples/train_gpt.py [--steps 300]      # one process, no launcher
 
 On GPUs torchrun starts one rank per GPU and `Mesh.from_env()` picks NCCL; on CPUs, gloo.
 The text is the Python standard library's own source, so nothing is downloaded.

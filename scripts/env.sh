@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sourced by test.sh and demo.sh: make .venv, with a torch it can see (>= 2.6) kept, or the
-# CPU build torch==2.13.0 on a machine without a GPU, and funcshard installed with $EXTRAS.
+# CPU build torch==2.13.0 on a machine without a GPU, and funcshard installed with $EXTRAS
+# (editable: this checkout's files, as they are edited).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python=${PYTHON:-python3}
@@ -24,4 +25,7 @@ if [ "$have_torch" != yes ]; then
     "$py" -m pip install -q torch==2.13.0
   fi
 fi
-"$py" -m pip install -q -e ".[${EXTRAS}]"
+# editable_mode=compat: a path entry to this checkout in site-packages, which a folder named
+# funcshard beside a script (a clone, say) cannot shadow; setuptools' default editable finder
+# runs after the path finder, so such a folder was imported instead, as a namespace package.
+"$py" -m pip install -q -e ".[${EXTRAS}]" --config-settings editable_mode=compat

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from funcshard.cli._loading import load, unit_classes
+from funcshard.cli._loading import add_loss_argument, load, loss_function, unit_classes
 from funcshard.core import _policy as policy
 from funcshard.testing.check import check
 from funcshard.testing.harness import LAWS
@@ -35,11 +35,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         required=True,
         help="module:function, step -> (inputs, targets): the global batch of that step",
     )
-    parser.add_argument(
-        "--loss",
-        help="module:function, (outputs, targets) -> mean loss "
-        "(default: cross entropy for integer targets, else mean squared error)",
-    )
+    add_loss_argument(parser, "cross entropy for integer targets, else mean squared error")
     parser.add_argument("--world-sizes", default="1,2,4", help="comma-separated (default 1,2,4)")
     parser.add_argument("--quick", action="store_true", help="world sizes up to 2, 3 configs")
     parser.add_argument(
@@ -91,7 +87,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "make_model": make_model,
         "make_batch": load(args.batch, "check"),
-        "loss_fn": load(args.loss, "check") if args.loss else None,
+        "loss_fn": loss_function(args, "check"),
         "policy": _policy(make_model, args.units) if args.units else None,
         "world_sizes": tuple(int(w) for w in args.world_sizes.split(",")),
         "steps": args.steps,

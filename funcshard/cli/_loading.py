@@ -1,8 +1,10 @@
 """Loading what the `funcshard` commands name on their command line: `MODULE:FACTORY`
-imported as `python -m` imports it, and the module classes that make units."""
+imported as `python -m` imports it, the `--loss MODULE:FN` both `check` and `plan` take, and
+the module classes that make units."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
@@ -45,6 +47,19 @@ def load(factory: str, command: str) -> Any:
             f"{attr!r}. Name a function or class that returns the model."
         )
     return function
+
+
+def add_loss_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """The `--loss MODULE:FN` option, `FN(outputs, targets) -> mean loss` (the convention of
+    `fs.testing.check`'s `loss_fn`); `default` says what runs without it."""
+    parser.add_argument(
+        "--loss", help=f"module:function, (outputs, targets) -> mean loss (default: {default})"
+    )
+
+
+def loss_function(args: argparse.Namespace, command: str) -> Any:
+    """The function `--loss` names, or None when it is not given."""
+    return load(args.loss, command) if args.loss else None
 
 
 def unit_classes(model: nn.Module, names: str | None, command: str) -> set[type[nn.Module]]:

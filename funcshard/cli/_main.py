@@ -3,7 +3,7 @@ needs per rank before launching it, check the sharding laws on your own model, t
 sharded training run, check a checkpoint.
 
   funcshard plan MODULE:FACTORY|CONFIG.json --world-size N [--mesh RxS] [--mp bf16]
-                 [--tokens BxT] [--device cuda] [--checkpointing]
+                 [--tokens BxT [--loss MODULE:FN]] [--device cuda] [--checkpointing]
   funcshard check MODULE:FACTORY --batch MODULE:FACTORY [--loss MODULE:FN] [--quick]
   funcshard demo [--nproc 2] [--steps 300] [--mode fsdp|hsdp|replicate]
   funcshard checkpoint verify PATH
@@ -30,13 +30,14 @@ from funcshard.cli import _check_command as check_command
 from funcshard.cli._demo import add_arguments as add_demo_arguments
 from funcshard.cli._demo import from_arguments as demo_config
 from funcshard.cli._demo import run as run_demo
-from funcshard.cli._loading import load, unit_classes
+from funcshard.cli._loading import add_loss_argument, load, loss_function, unit_classes
 from funcshard.core._plan import plan
 from funcshard.core._policy import module_classes
 from funcshard.core._precision import MixedPrecision
 from funcshard.io import _checkpoint as checkpoint
 from funcshard.planning._attention_kernels import KERNELS
 from funcshard.planning._estimate import estimate
+from funcshard.testing.check import output_logits
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 REDUCE = {**DTYPES, "fp32": torch.float32}
@@ -45,6 +46,7 @@ examples:
   funcshard plan funcshard.testing.models:GPT --world-size 8
   funcshard plan funcshard.testing.models:llama_7b --world-size 1024 --mp bf16
   funcshard plan mypkg.models:build --world-size 64 --mesh 8x8 --tokens 8x1024
+  funcshard plan model:gpt --world-size 2 --tokens 12x1024 --loss model:loss
   funcshard plan examples/llama-3.1-8b/config.json --world-size 8 --mp bf16 \
       --tokens 2x8192 --device cuda --checkpointing
 
@@ -52,8 +54,10 @@ MODULE is imported as `python -m` imports it: from the current directory first, 
 installed packages. A transformers config.json (or a directory holding one) builds its
 causal LM, read locally. Without --tokens the peak leaves out activations; with it, one
 language-model step runs on the meta device to count them (the batch per rank is B
-sequences of T token ids, the loss the cross-entropy of the output against the next
-tokens). The peak assumes README's training loop with AdamW (see funcshard.estimate).
+sequences of T token ids, the loss the cross-entropy of the output against the
+tokens: the output itself, its .logits, its "logits" or its first element, as nanoGPT's
+(logits, loss); --loss MODULE:FN, FN(outputs, tokens) -> mean loss, for other outputs).
+The peak assumes README's training loop with AdamW (see funcshard.estimate).
 """
 
 
@@ -93,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         "--tokens",
         metavar="BxT",
         help="count activations too: one step of B sequences of T token ids per rank",
+    )
+    add_loss_argument(
+        planner,
+        "with --tokens, cross entropy of the logits against the tokens; the targets are "
+        "the B x T token ids",
     )
     planner.add_argument(
         "--device",
@@ -188,7 +197,10 @@ def _plan_command(args: argparse.Namespace) -> int:
         batch, length = _sizes(args.tokens, "--tokens")
         tokens = torch.zeros(batch, length, dtype=torch.long, device="meta")
         kwargs = {"use_cache": False} if hf else {}  # a training step keeps no cache
-        step = {"loss_fn": functools.partial(_lm_loss, model, kwargs), "args": (tokens,)}
+        loss = loss_function(args, "plan")
+        step = {"loss_fn": functools.partial(_lm_loss, model, kwargs, loss), "args": (tokens,)}
+    elif args.loss:
+        raise SystemExit("funcshard plan --loss: add --tokens BxT, the step to run")
     result = estimate(
         planned, (replicate, shard), mp=mp, model=model, donate=args.donate,
         device=args.device, capability=_capability(args.capability),
@@ -264,17 +276,26 @@ def _device_words(args: argparse.Namespace) -> str:
 
 
 def _lm_loss(
-    model: nn.Module, kwargs: dict[str, Any], params: Any, tokens: torch.Tensor
+    model: nn.Module,
+    kwargs: dict[str, Any],
+    loss: Callable[[Any, torch.Tensor], torch.Tensor] | None,
+    params: Any,
+    tokens: torch.Tensor,
 ) -> torch.Tensor:
-    """A language model's loss: the cross-entropy of each position's output against a
-    token (on the meta device only the shapes matter)."""
-    logits = fs.call(model, params, tokens, **kwargs)
-    logits = getattr(logits, "logits", logits)  # a transformers model's output
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+    """A language model's loss: `loss(outputs, tokens)` when --loss names one, else the
+    cross-entropy of each position's logits against a token (on the meta device only the
+    shapes matter)."""
+    outputs = fs.call(model, params, tokens, **kwargs)
+    if loss is not None:
+        return loss(outputs, tokens)
+    logits = output_logits(outputs)  # a tensor, .logits, ["logits"], or (logits, loss)[0]
+    is_logits = isinstance(logits, torch.Tensor) and logits.dim() == 3
+    if not is_logits or logits.shape[:2] != tokens.shape:
         raise SystemExit(
             f"funcshard plan --tokens: expected the model to return (batch, tokens, "
-            f"vocabulary) logits, got {_describe(logits)}. Use funcshard.estimate(..., "
-            f"loss_fn=...) from Python for other models."
+            f"vocabulary) logits, or a tuple or dict holding them (first, or as 'logits'), "
+            f"got {_describe(outputs)}. Name your loss with --loss MODULE:FN, "
+            f"FN(outputs, tokens) -> mean loss, as funcshard check takes it."
         )
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
 
@@ -282,6 +303,10 @@ def _lm_loss(
 def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of ({', '.join(_describe(v) for v in value)})"
+    if isinstance(value, dict):
+        return f"a dict of keys {sorted(map(str, value))}"
     return type(value).__name__
 
 

@@ -9,6 +9,7 @@ simply has nothing to communicate. Underneath is a 2-D `DeviceMesh` named
 a rendezvous on every rank.
 
 This module only builds groups; every collective goes through `funcshard.comm._collectives`.
+
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from funcshard.comm import _collective_checks as collective_checks
 from funcshard.comm import _collectives as collectives
 from funcshard.comm import _flight_recorder as flight_recorder
+from funcshard.comm import _launch as launch
 from funcshard.comm import _mesh_groups as mesh_groups
 from funcshard.comm import _progress as progress
 from funcshard.comm import _waits as waits
@@ -143,9 +145,10 @@ class Mesh:
     def _build_device_mesh(self, where: str) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
-                f"{where}: torch.distributed is not initialized. Launch with torchrun and use "
-                f"Mesh.from_env(), or call torch.distributed.init_process_group(...) first "
-                f"(funcshard.testing.run does this for tests)."
+                f"{where}: torch.distributed is not initialized. Use Mesh.from_env() (under "
+                f"torchrun: every rank; plain python: one process), or call "
+                f"torch.distributed.init_process_group(...) first (funcshard.testing.run does "
+                f"this for tests)."
             )
         world = dist.get_world_size()
         if self.replicate * self.shard != world:
@@ -172,6 +175,12 @@ class Mesh:
     ) -> Mesh:
         """Shard over every rank that torchrun started, initializing torch.distributed if needed.
 
+        Run without a launcher (`python train.py`: none of RANK, WORLD_SIZE, LOCAL_RANK,
+        MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID set), it makes a world of one process
+        and returns its mesh of size 1, so the same script runs alone and under torchrun
+        (see [Note: from_env without a launcher] in funcshard/comm/_launch.py). With some
+        of them set and others missing it raises RuntimeError naming the missing ones.
+
         Picks cuda + NCCL (one GPU per local rank) when the process sees a GPU, else cpu + gloo.
         `timeout` is the mesh's (see `Mesh`; None: 10 minutes or FUNCSHARD_TIMEOUT); when
         this call initializes torch.distributed, the default group and its rendezvous get it
@@ -180,23 +189,15 @@ class Mesh:
         where = "funcshard.Mesh.from_env"
         timeout = default_timeout() if timeout is None else checked_timeout(timeout, where)
         if not dist.is_initialized():
-            missing = [
-                v
-                for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-                if v not in os.environ
-            ]
-            if missing:
-                raise RuntimeError(
-                    f"Mesh.from_env: {', '.join(missing)} not set. Launch with "
-                    f"`torchrun --nproc-per-node N script.py`, or build Mesh(shard=N) after "
-                    f"torch.distributed.init_process_group(...)."
-                )
+            alone = launch.launched_alone(os.environ)
             use_cuda = device_type != "cpu" and torch.cuda.is_available()
-            if use_cuda and dist.is_nccl_available():
+            backend = "nccl" if use_cuda and dist.is_nccl_available() else "gloo"
+            if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-                _init_from_env("nccl", timeout)
+            if alone:
+                launch.init_alone(backend, timeout)
             else:
-                _init_from_env("gloo", timeout)
+                launch.init_from_env(backend, timeout)
         return cls(shard=dist.get_world_size(), device_type=device_type, timeout=timeout)
 
     @classmethod
@@ -394,21 +395,6 @@ def _timeout_of(group: ProcessGroup, device_type: str | None) -> timedelta | Non
         return group._get_backend(torch.device(device_type or "cpu")).options._timeout
     except (AttributeError, RuntimeError):
         return None
-
-
-def _init_from_env(backend: str, timeout: timedelta) -> None:
-    """init_process_group from torchrun's environment, its keys under this restart's prefix.
-
-    After an elastic restart the agent's store may still hold the previous round's addresses
-    under the same keys; a new rank that reads one before its peer rewrites it connects to a
-    dead rank (gloo: "connection refused", or a hang on a reused port). A prefix per
-    TORCHELASTIC_RESTART_COUNT keeps each round's rendezvous apart.
-    """
-    flight_recorder.switch_on(backend)  # see [Note: a timeout on NCCL]
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"funcshard/attempt-{attempt}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _debug_from_env() -> bool:

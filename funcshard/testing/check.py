@@ -18,7 +18,7 @@ import dataclasses
 import math
 import pickle
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import optree
@@ -137,12 +137,27 @@ def check(
 
 def default_loss(outputs: Any, targets: Tensor) -> Tensor:
     """Cross entropy for integer targets (class scores along the last dim), mean squared error
-    for float targets; `outputs.logits` (a transformers output) or `outputs[0]` if needed."""
-    if not isinstance(outputs, Tensor):
-        outputs = outputs.logits if hasattr(outputs, "logits") else outputs[0]
+    for float targets; of `output_logits(outputs)` (a transformers output's `.logits`, a
+    dict's "logits", a tuple's first element)."""
+    outputs = output_logits(outputs)
     if targets.is_floating_point():
         return F.mse_loss(outputs, targets)
     return F.cross_entropy(outputs.flatten(0, -2).float(), targets.flatten())
+
+
+def output_logits(outputs: Any) -> Any:
+    """The scores in a model's outputs: the outputs themselves when a tensor, a transformers
+    output's `.logits`, a dict's "logits", or a tuple's or list's first element (nanoGPT's
+    `(logits, loss)`); anything else as it is."""
+    if isinstance(outputs, Tensor):
+        return outputs
+    if hasattr(outputs, "logits"):
+        return outputs.logits
+    if isinstance(outputs, Mapping):
+        return outputs.get("logits", outputs)
+    if isinstance(outputs, (tuple, list)) and outputs:
+        return outputs[0]
+    return outputs
 
 
 def _validated(

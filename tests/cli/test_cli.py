@@ -128,6 +128,71 @@ def test_plan_with_tokens_counts_activations(capsys):
         cli.main([*argv, "--tokens", "4by16"])
 
 
+TUPLE_MODELS = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LM(nn.Module):
+    \"\"\"nanoGPT's GPT in small: (logits, loss), the logits of the last position only
+    without targets; or a dict holding them.\"\"\"
+
+    def __init__(self, returns):
+        super().__init__()
+        self.returns = returns
+        self.emb = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, idx, targets=None):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x).relu()
+        if self.returns == "last":
+            return self.head(x[:, [-1], :]), None
+        logits = self.head(x)
+        return (logits, None) if self.returns == "tuple" else {"logits": logits, "aux": x}
+
+
+def tuple_lm():
+    return LM("tuple")
+
+
+def dict_lm():
+    return LM("dict")
+
+
+def last_lm():
+    return LM("last")
+
+
+def last_token_loss(outputs, tokens):
+    logits, _ = outputs
+    return F.cross_entropy(logits[:, -1].float(), tokens[:, -1])
+"""
+
+
+def test_plan_with_tokens_takes_a_tuple_or_dict_output_or_a_loss(tmp_path, monkeypatch, capsys):
+    """`--tokens` refused nanoGPT's `(logits, loss)` ("got tuple"); now it takes the logits
+    of a tuple or dict, and `--loss MODULE:FN` (as `funcshard check` takes it) for others."""
+    name = f"fs_cli_tuple_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(TUPLE_MODELS)
+    tokens = ("--world-size", "2", "--tokens", "2x6")
+    for factory in ("tuple_lm", "dict_lm"):
+        assert _plan_in(tmp_path, monkeypatch, f"{name}:{factory}", *tokens) == 0
+        assert "activations included" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"got a tuple of \(a tensor of shape \(2, 1, 11\), "
+                       r"NoneType\)\. Name your loss with --loss MODULE:FN"):  # fmt: skip
+        _plan_in(tmp_path, monkeypatch, f"{name}:last_lm", *tokens)
+    loss = ("--loss", f"{name}:last_token_loss")
+    assert _plan_in(tmp_path, monkeypatch, f"{name}:last_lm", *tokens, *loss) == 0
+    assert "activations included" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"plan --loss: add --tokens BxT"):
+        _plan_in(tmp_path, monkeypatch, f"{name}:last_lm", "--world-size", "2", *loss)
+    sys.modules.pop(name, None)
+
+
 def test_help_is_whole(capsys):
     """The description was the docstring's first line, cut mid-sentence."""
     for argv in (["--help"], ["plan", "--help"]):

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import funcshard as fs
 from funcshard import testing
+from funcshard.comm._launch import LAUNCHER_VARIABLES, launched_alone
 
 
 def _describe(kwargs: dict, rank: int) -> tuple:
@@ -87,11 +88,35 @@ def test_mesh_needs_an_initialized_process_group():
         fs.Mesh(shard=2)
 
 
-def test_from_env_outside_torchrun_says_how_to_launch(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+def test_from_env_with_some_launcher_variables_missing_names_them(monkeypatch):
+    for var in LAUNCHER_VARIABLES:
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node N"):
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(
+        RuntimeError, match=r"RANK, WORLD_SIZE, MASTER_ADDR not set, though MASTER_PORT is\. "
+        r"Launch with `torchrun --nproc-per-node N"
+    ):  # fmt: skip
         fs.Mesh.from_env()
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"MASTER_ADDR not set, though RANK, WORLD_SIZE, MAS"):
+        launched_alone({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "1", "LOCAL_RANK": "0"})
+    assert launched_alone({"PATH": "/usr/bin", "OMP_NUM_THREADS": "1"})
+    assert not launched_alone(dict.fromkeys(LAUNCHER_VARIABLES[:4], "0"))
+
+
+def test_from_env_without_a_launcher_trains_as_one_process():
+    """`python train.py` with no launcher variable set: Mesh.from_env() raised "RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set"; now it is a world of one process, and
+    one sharded step equals plain PyTorch's."""
+    script = Path(__file__).parents[1] / "scripts" / "plain_python_step.py"
+    keep = ("PATH", "HOME", "TMPDIR", "LANG")
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "OK"
 
 
 @pytest.mark.parametrize(
