@@ -7,6 +7,7 @@ sharded training run, check a checkpoint.
   funcshard check MODULE:FACTORY --batch MODULE:FACTORY [--loss MODULE:FN] [--quick]
   funcshard demo [--nproc 2] [--steps 300] [--mode fsdp|hsdp|replicate]
   funcshard checkpoint verify PATH
+  funcshard checkpoint export PATH OUT [--overwrite] [--model MODULE:FACTORY]
 
 Run `funcshard COMMAND --help` for a command's options.
 """
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "the loss, tokens/s, peak memory per rank and bytes sent per step.",
     )
     add_demo_arguments(demo)
-    checkpoints = commands.add_parser("checkpoint", help="check a saved checkpoint")
+    checkpoints = commands.add_parser("checkpoint", help="check or export a saved checkpoint")
     actions = checkpoints.add_subparsers(dest="action", required=True, metavar="ACTION")
     verifier = actions.add_parser(
         "verify",
@@ -150,12 +151,30 @@ def main(argv: list[str] | None = None) -> int:
         "2: no checkpoint there.",
     )
     verifier.add_argument("path", help="a checkpoint directory, or the root LATEST is in")
+    exporter = actions.add_parser(
+        "export",
+        help="write the full state dict to a torch.save file",
+        description="Write the model's full state dict that a checkpoint holds (state_dict() "
+        "keys, tied weights under each name, no optimizer state) to a torch.save file, in "
+        "this process alone. Exit status 0: written; 2: no checkpoint there, or OUT exists.",
+    )
+    exporter.add_argument("path", help="a checkpoint directory, or the root LATEST is in")
+    exporter.add_argument("out", help="the file to write, e.g. ckpt.pt")
+    exporter.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    exporter.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="the model's builder (called on the meta device), for checkpoints saved before "
+        "funcshard recorded parameter shapes and tied names",
+    )
     check_command.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "check":
         return check_command.run(args)
     if args.command == "demo":
         return run_demo(demo_config(args))
+    if args.command == "checkpoint" and args.action == "export":
+        return _export_command(args)
     if args.command == "checkpoint":
         return _verify_command(args.path)
     return _plan_command(args)
@@ -177,6 +196,25 @@ def _verify_command(path: str) -> int:
         return 1
     print("verified: every byte matches" if report.ok else f"{len(report.problems)} problems")
     return 0 if report.ok else 1
+
+
+def _export_command(args: argparse.Namespace) -> int:
+    model = None
+    if args.model:
+        with torch.device("meta"):
+            model = load(args.model, "checkpoint export")()
+    try:
+        out = checkpoint.export_state_dict(
+            args.path, args.out, model=model, overwrite=args.overwrite
+        )
+    except FileExistsError as e:
+        print(str(e).replace("overwrite=True (CLI: --overwrite)", "--overwrite"), file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:  # not a checkpoint, corrupted, unreadable
+        print(e, file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
 
 
 def _plan_command(args: argparse.Namespace) -> int:
@@ -225,8 +263,7 @@ def _config_model(path: str) -> Callable[[], nn.Module]:
         import transformers
     except ImportError:
         raise SystemExit(
-            f"funcshard plan {path}: a config.json needs transformers (pip install "
-            f"transformers)"
+            f"funcshard plan {path}: a config.json needs transformers (pip install transformers)"
         ) from None
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     try:

@@ -1,5 +1,6 @@
 """Checkpoints: torch.distributed.checkpoint saves and loads at any world size, their
-checksums, and Hugging Face safetensors in and out of shards; and `refreeze`, which moves a
+checksums, reading one in a single process (`read_meta`, `export_state_dict`), and Hugging
+Face safetensors in and out of shards; and `refreeze`, which moves a
 live state's values and optimizer state by key as a load does, onto another frozen set.
 
 May import: compiling, optim, step, init, core, comm.

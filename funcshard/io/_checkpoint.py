@@ -19,9 +19,12 @@ Atomic: a save writes a fresh directory `step-<n>-<k>` (or `save-<k>`) under `pa
 exclusively, then replaces the file `path/LATEST` with `os.replace`, which is atomic; `load`
 reads only what LATEST names, so a save that dies half way never changes what loads. Several
 jobs on one directory: [Note: writers and readers of a checkpoint directory] in
-funcshard/io/_checkpoint_dir.py. `step` and `extra` are written as JSON, so loading unpickles
-nothing. What a load checks before it reads a byte: [Note: checkpoint integrity] in
-funcshard/io/_integrity.py.
+funcshard/io/_checkpoint_dir.py. `step` and `extra` are written as JSON, tensors in `extra` as DCP
+entries ([Note: tensors in extra] in funcshard/io/_checkpoint_extra.py), so loading unpickles
+nothing. Each parameter's shape, the module's `state_dict()` keys and its tied names go to
+funcshard.json too, for readers without the model ([Note: exporting a checkpoint] in
+funcshard/io/_checkpoint_export.py). What a load checks before it reads a byte: [Note: checkpoint
+integrity] in funcshard/io/_integrity.py.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import os
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from funcshard.comm import _collectives as collectives
@@ -38,13 +42,16 @@ from funcshard.comm import _process_groups as process_groups
 from funcshard.core._state import ShardedState, ensure_live
 from funcshard.io import _checkpoint_dict as checkpoint_dict
 from funcshard.io import _checkpoint_dir as checkpoint_dir
+from funcshard.io import _checkpoint_extra as checkpoint_extra
 from funcshard.io import _checkpoint_match as checkpoint_match
 from funcshard.io import _dcp as dcp
 from funcshard.io import _integrity as integrity
 from funcshard.io import _rank_values as rank_values
 from funcshard.io._checkpoint_dir import CheckpointConflict as CheckpointConflict
+from funcshard.io._checkpoint_export import export_state_dict as export_state_dict
 from funcshard.io._checkpoint_latest import META, open_checkpoint, previous_hint
 from funcshard.io._checkpoint_latest import CheckpointRetired as CheckpointRetired
+from funcshard.io._checkpoint_offline import read_meta as read_meta
 from funcshard.io._checkpoint_verify import verified
 from funcshard.io._checkpoint_verify import verify as verify
 from funcshard.io._dcp import CheckpointDiskFull as CheckpointDiskFull
@@ -62,8 +69,10 @@ __all__ = [
     "CheckpointDiskFull",
     "CheckpointRetired",
     "Report",
+    "export_state_dict",
     "load",
     "load_hf",
+    "read_meta",
     "save",
     "save_hf",
     "verify",
@@ -82,13 +91,14 @@ def save(
     keep: int | None = None,
     checksums: bool = True,
 ) -> str:
-    """Save the state (and optimizer state, step, JSON-able `extra`) under directory `path`.
+    """Save the state (and optimizer state, step, `extra`) under directory `path`.
 
-    Values that differ across ranks are saved per rank (see [Note: per-rank leaves]); Python
-    numbers in the optimizer state are saved too. With `checksums` (the default) every
-    chunk's CRC-32 is recorded for `load` and `verify` to check (see [Note: checkpoint
-    integrity]). `keep=N` then deletes this job's checkpoints (and dead jobs') older than
-    its last N complete ones, never the one LATEST names. A save whose directory another
+    `extra` holds JSON values and tensors (see [Note: tensors in extra]); anything else is a
+    TypeError naming its key, on every rank, before anything is written. Values that differ across
+    ranks are saved per rank (see [Note: per-rank leaves]); Python numbers in the optimizer state
+    are saved too. With `checksums` (the default) every chunk's CRC-32 is recorded for `load` and
+    `verify` to check (see [Note: checkpoint integrity]). `keep=N` then deletes this job's
+    checkpoints (and dead jobs') older than its last N complete ones, never the one LATEST names. A save whose directory another
     job committed to meanwhile raises `CheckpointConflict` (see [Note: writers and readers
     of a checkpoint directory]). Returns the directory written. Communicates: all-gathers
     of the digests, the directory's name, the checksums and the commit's outcome, a
@@ -118,9 +128,10 @@ def _save(
     rank = process_groups.group_rank(group)
     try:  # on every rank; what any rank finds is raised on all below, never a hang
         described = optim_leaves(opt_state, state.layout)[0] if opt_state is not None else []
-        report: Any = _report(state, described, step, extra)
+        report: Any
+        report, extra_tensors = _report(state, described, step, extra)
     except (TypeError, ValueError) as e:
-        report = (type(e).__name__, str(e))
+        report, extra_tensors = (type(e).__name__, str(e)), {}
     reports = collectives.all_gather_object(report, group)
     _raise_first(reports)
     _check_steps(reports)
@@ -137,6 +148,7 @@ def _save(
     me, name = _create(root, step, mesh, rank == 0)
     target = os.path.join(root, name)
     entries, flat_of = checkpoint_dict.to_dcp(checkpoint_dict.first_ranks_buffers(state), described)
+    entries.update(extra_tensors)
     routed = {
         _stored_key(k, flat_of.get(k), per_rank, per_replica, mesh, rank): v
         for k, v in entries.items()
@@ -147,6 +159,7 @@ def _save(
     if rank == 0:
         try:  # a failure here must reach every rank, not leave them waiting in a barrier
             meta = _meta(reports, entries, flat_of, per_rank, per_replica, mesh, checksums, me)
+            meta = _with_model(meta, state)
             _commit(root, name, meta, chunk_records, keep, me)
         except Exception as e:
             failed = (type(e).__name__, str(e))
@@ -159,18 +172,14 @@ def _save(
     return target
 
 
-def _report(state: ShardedState, described: list, step: Any, extra: Any) -> dict:
+def _report(state: ShardedState, described: list, step: Any, extra: Any) -> tuple[dict, dict]:
     """What this rank would save that other ranks may hold differently: digests of the
-    leaves that are stored once (see [Note: per-rank leaves]), its Python numbers, extra."""
+    leaves that are stored once (see [Note: per-rank leaves]), its Python numbers, extra
+    (its JSON part; its tensors are returned beside, see [Note: tensors in extra])."""
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise TypeError(f"funcshard.checkpoint.save: step must be an int or None, got {step!r}.")
-    try:
-        extra_json = json.dumps(extra, sort_keys=True)
-    except TypeError as e:
-        raise TypeError(
-            f"funcshard.checkpoint.save: step and extra must be JSON values (numbers, "
-            f"strings, lists, dicts), got {e}. Convert them, e.g. tensors with .tolist()."
-        ) from e
+    skeleton, extra_tensors = checkpoint_extra.split(extra)
+    extra_json = json.dumps(skeleton, sort_keys=True)
     mesh = state.layout.mesh
     scalars = {key: leaf for leaf, key, _ in described if not isinstance(leaf, Tensor)}
     json.dumps(scalars)  # numbers, strings, None: always JSON
@@ -179,6 +188,7 @@ def _report(state: ShardedState, described: list, step: Any, extra: Any) -> dict
         plain = {key: rank_values.digest(v) for v, key, i in described if i is None}
         plain = {k: d for k, d in plain.items() if k not in scalars}
         plain.update({f"params/{k}": rank_values.digest(v) for k, v in state.replicated.items()})
+        plain.update({k: rank_values.digest(v) for k, v in extra_tensors.items()})
     flats = {}
     if mesh.replicate_size > 1:
         shards = checkpoint_dict.flat_shards(state, described)
@@ -190,7 +200,7 @@ def _report(state: ShardedState, described: list, step: Any, extra: Any) -> dict
         "plain": plain,
         "flats": flats,
         "shard_rank": mesh.shard_rank,
-    }
+    }, extra_tensors
 
 
 def _raise_first(reports: list[Any]) -> None:
@@ -248,6 +258,23 @@ def _meta(reports, entries, flat_of, per_rank, per_replica, mesh, checksums, me)
     if len(set(extras)) > 1:
         meta["rank_extra"] = [json.loads(e) for e in extras]
     return json.dumps(meta)
+
+
+def _with_model(meta: str, state: ShardedState) -> str:
+    """funcshard.json with what a reader without the model needs to rebuild its
+    `state_dict()`: each parameter's shape, the keys in order, the tied names (see [Note:
+    exporting a checkpoint] in funcshard/io/_checkpoint_export.py)."""
+    layout = state.layout
+    shapes = {
+        f: list(s) for flat in layout.flats for f, s in zip(flat.fqns, flat.shapes, strict=True)
+    }
+    shapes.update({f: list(t.shape) for f, t in state.replicated.items()})
+    model = {
+        "shapes": shapes,
+        "state_dict_keys": list(layout.state_dict_keys),
+        "aliases": [list(pair) for pair in layout.aliases],
+    }
+    return json.dumps({**json.loads(meta), "model": model})
 
 
 def _create(root: str, step: Any, mesh: Any, first: bool) -> tuple[Any, str]:
@@ -338,8 +365,9 @@ def load(
     """Load the latest complete save under `path` (or the checkpoint directory `path`) into
     the layout of `like=(state, opt_state)`.
 
-    Returns `(state, opt_state, step, extra)`. Works across world sizes, meshes and plans;
-    `like=(state, None)` loads the parameters alone, whatever else the checkpoint holds.
+    Returns `(state, opt_state, step, extra)`; tensors in `extra` come back on the CPU. Works across
+    world sizes, meshes and plans; `like=(state, None)` loads the parameters alone, whatever else
+    the checkpoint holds.
     Values saved per rank come back to the same rank of a mesh of the same shape; elsewhere
     `per_rank` says what to do: "refuse" (the default) raises naming them, "like" keeps
     `like`'s, an int r gives every rank rank r's (see [Note: per-rank leaves]). With `verify`
@@ -387,6 +415,8 @@ def _read(directory: str, state: ShardedState, opt_state: Any, per_rank: Any) ->
     )
     routed, kept, scalars, problems = plan.route(template, like_scalars)
     saved = dcp.dcp_sizes(directory)
+    extra_routed = _route_extra(plan, directory, saved, problems)
+    routed.update(extra_routed)
     for key in [k for k in routed if k not in saved and checkpoint_match.migrated(k)]:
         kept.append(rank_values.base_key(key))  # an older format's: like's values stay
         del routed[key]
@@ -407,12 +437,32 @@ def _read(directory: str, state: ShardedState, opt_state: Any, per_rank: Any) ->
             f"{previous_hint(directory)}"
         ) from e
     loaded = {rank_values.base_key(k): v for k, v in routed.items()}
+    extra = checkpoint_extra.join(extra, {rank_values.base_key(k): routed[k] for k in extra_routed})
     own = checkpoint_dict.to_dcp(state, described)[0] if kept else {}
     loaded.update({k: _copy(own[k]) for k in kept})
     loaded.update(scalars)
     new_state, leaves = checkpoint_dict.from_dcp(state, described, loaded)
     new_opt = rebuild(spec, leaves) if opt_state is not None else None
     return new_state, new_opt, meta["step"], extra
+
+
+def _route_extra(plan: Any, directory: str, saved: dict, problems: list) -> dict[str, Tensor]:
+    """Where `extra`'s tensors load from (stored key -> an empty CPU tensor to read into),
+    this rank's where they were saved per rank (see [Note: tensors in extra])."""
+    dtypes = dcp.dcp_dtypes(directory) if saved else {}
+    bases = sorted(
+        {b for k in saved if (b := rank_values.base_key(k)).startswith(checkpoint_extra.PREFIX)}
+    )
+    out, refused = {}, []
+    for key in bases:
+        where = plan.where(key)
+        if where is False:
+            refused.append("extra")
+        elif isinstance(where, str) and where in saved:
+            out[where] = torch.empty(saved[where], dtype=dtypes[where])
+    if refused:
+        problems.append(plan.refusal(refused[:1]))
+    return out
 
 
 def _copy(value: Any) -> Any:

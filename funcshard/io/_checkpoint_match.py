@@ -34,7 +34,7 @@ class LoadPlan:
         """(stored key -> entry to load into, keys that keep like's, scalars, problems)."""
         routed, kept, problems = {}, [], []
         for key, value in template.items():
-            where = self._where(key)
+            where = self.where(key)
             if where is None:
                 kept.append(key)
             elif isinstance(where, str):
@@ -56,10 +56,10 @@ class LoadPlan:
             elif key in stored:
                 scalars[key] = stored[key]
         if problems:
-            problems = [self._refusal(problems)]
+            problems = [self.refusal(problems)]
         return routed, kept, scalars, problems
 
-    def _where(self, key: str) -> str | bool | None:
+    def where(self, key: str) -> str | bool | None:
         """The stored key for `key`; None: keep like's; False: cannot be given back here."""
         if key not in self.per_rank and key not in self.per_replica:
             return key
@@ -71,7 +71,7 @@ class LoadPlan:
             return rank_values.replica_key(self.source[1], key)
         return rank_values.rank_key(self.source[0], key)
 
-    def _refusal(self, keys: list[str]) -> str:
+    def refusal(self, keys: list[str]) -> str:
         why = self.source if isinstance(self.source, str) else "that rank saved none of them"
         return (
             f"{format_names(sorted(keys))} differed across ranks when saved, so each rank's "
@@ -87,7 +87,7 @@ class LoadPlan:
             return None
         if isinstance(self.source, tuple):
             return self.meta["rank_extra"][self.source[0]]
-        raise ValueError(self._refusal(["extra"]))
+        raise ValueError(self.refusal(["extra"]))
 
 
 def shape_problems(saved: dict, routed: dict) -> list[str]:
@@ -104,11 +104,13 @@ def agree_on_keys(directory, saved, meta, report, with_optim, group) -> None:
     reports = collectives.all_gather_object(report, group)
     wanted = {k for r in reports for k in r[0]}
     stored = {rank_values.base_key(k) for k in saved}
+    stored = {k for k in stored if not k.startswith("extra/")}  # extra's: never a mismatch
     if meta.get("scalars") is not None:
         stored |= set(meta["scalars"]) | set(meta.get("rank_scalars", {}))
     if not with_optim:  # parameters alone: the optimizer state stays on disk
         stored = {k for k in stored if not k.startswith("optim/")}
     missing = sorted({k for r in reports for k in r[0]} - stored - {"extra"})
+    missing = [k for k in missing if not k.startswith("extra/")]
     missing = [k for k in missing if not migrated(k)]  # (a newer format's: like's stay)
     unexpected = sorted(stored - wanted)
     wrong = sorted({p for r in reports for p in r[2]})

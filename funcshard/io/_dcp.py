@@ -143,6 +143,26 @@ def dcp_load(state_dict: dict[str, Any], directory: str, group: ProcessGroup | N
         raise CheckpointReadError(str(e)) from e
 
 
+def dcp_read(directory: str, keys: dict[str, str]) -> dict[str, Tensor]:
+    """The saved tensors `keys` names (output key -> stored key), whole, on the CPU, read in
+    this process alone: no process group, even where one is initialized (DCP's no_dist)."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = _safe_reader(directory).read_metadata().state_dict_metadata
+    template = {
+        stored: torch.empty(tuple(saved[stored].size), dtype=saved[stored].properties.dtype)
+        for stored in set(keys.values())
+    }
+    if template:
+        import warnings
+
+        with _quiet_sharded_tensor(), warnings.catch_warnings():
+            # one process on purpose: DCP's "assuming ... a single process" says nothing new
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(template, storage_reader=_safe_reader(directory), no_dist=True)
+    return {key: template[stored] for key, stored in keys.items()}
+
+
 def dcp_sizes(directory: str) -> dict[str, tuple[int, ...]]:
     """The saved tensors' names and full shapes, from a checkpoint's metadata."""
     metadata = _safe_reader(directory).read_metadata()
