@@ -94,13 +94,14 @@ def save(
     """Save the state (and optimizer state, step, `extra`) under directory `path`.
 
     `extra` holds JSON values and tensors (see [Note: tensors in extra]); anything else is a
-    TypeError naming its key, on every rank, before anything is written. Values that differ across
-    ranks are saved per rank (see [Note: per-rank leaves]); Python numbers in the optimizer state
-    are saved too. With `checksums` (the default) every chunk's CRC-32 is recorded for `load` and
-    `verify` to check (see [Note: checkpoint integrity]). `keep=N` then deletes this job's
-    checkpoints (and dead jobs') older than its last N complete ones, never the one LATEST names. A save whose directory another
-    job committed to meanwhile raises `CheckpointConflict` (see [Note: writers and readers
-    of a checkpoint directory]). Returns the directory written. Communicates: all-gathers
+    TypeError naming its key, on every rank, before anything is written. Values that differ
+    across ranks are saved per rank (see [Note: per-rank leaves]); Python numbers in the
+    optimizer state are saved too. With `checksums` (the default) every chunk's CRC-32 is
+    recorded for `load` and `verify` to check (see [Note: checkpoint integrity]). `keep=N`
+    then deletes this job's checkpoints (and dead jobs') older than its last N complete
+    ones, never the one LATEST names. A save whose directory another job committed to
+    meanwhile raises `CheckpointConflict` (see [Note: writers and readers of a checkpoint
+    directory]). Returns the directory written. Communicates: all-gathers
     of the digests, the directory's name, the checksums and the commit's outcome, a
     broadcast per buffer, DCP's collective save. Every rank of the state's mesh calls it, at
     the same point of the program: a rank that saves alone raises a CollectiveError naming
