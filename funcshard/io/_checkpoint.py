@@ -59,7 +59,7 @@ from funcshard.io._hf import load_hf as load_hf
 from funcshard.io._hf_save import save_hf as save_hf
 from funcshard.io._integrity import CheckpointCorrupted as CheckpointCorrupted
 from funcshard.io._integrity import Report as Report
-from funcshard.io._optim_leaves import optim_leaves, rebuild
+from funcshard.io._optim_leaves import Full, optim_leaves, rebuild, stored
 
 # funcshard.checkpoint's public names (this module is funcshard.checkpoint, see
 # funcshard/__init__.py); the others are its machinery, importable but not promised.
@@ -182,12 +182,19 @@ def _report(state: ShardedState, described: list, step: Any, extra: Any) -> tupl
     skeleton, extra_tensors = checkpoint_extra.split(extra)
     extra_json = json.dumps(skeleton, sort_keys=True)
     mesh = state.layout.mesh
-    scalars = {key: leaf for leaf, key, _ in described if not isinstance(leaf, Tensor)}
-    json.dumps(scalars)  # numbers, strings, None: always JSON
+    scalars = _scalars(described)
+    json.dumps(scalars)  # numbers, strings: always JSON
     plain: dict[str, Any] = {}
     if mesh.size > 1:
-        plain = {key: rank_values.digest(v) for v, key, i in described if i is None}
-        plain = {k: d for k, d in plain.items() if k not in scalars}
+        plain = {
+            key: rank_values.digest(v)
+            for v, key, i in described
+            if i is None and isinstance(v, Tensor)
+        }
+        for v, key, i in described:
+            if isinstance(i, Full):  # each parameter's piece is one stored value
+                pieces = checkpoint_dict.full_pieces(key, v, state.layout.flats[i.flat])
+                plain.update({k: rank_values.digest(p) for k, p in pieces.items()})
         plain.update({f"params/{k}": rank_values.digest(v) for k, v in state.replicated.items()})
         plain.update({k: rank_values.digest(v) for k, v in extra_tensors.items()})
     flats = {}
@@ -202,6 +209,12 @@ def _report(state: ShardedState, described: list, step: Any, extra: Any) -> tupl
         "flats": flats,
         "shard_rank": mesh.shard_rank,
     }, extra_tensors
+
+
+def _scalars(described: list) -> dict[str, Any]:
+    """The optimizer state's Python numbers and strings by key (None is not stored: see
+    [Note: optimizer leaves in checkpoints])."""
+    return {k: v for v, k, _ in described if not isinstance(v, Tensor) and stored(v)}
 
 
 def _raise_first(reports: list[Any]) -> None:
@@ -410,7 +423,7 @@ def _read(directory: str, state: ShardedState, opt_state: Any, per_rank: Any) ->
     with open(os.path.join(directory, META)) as f:
         meta = json.load(f)
     template, _ = checkpoint_dict.to_dcp(state, described, zeros=True)
-    like_scalars = {key: leaf for leaf, key, _ in described if not isinstance(leaf, Tensor)}
+    like_scalars = _scalars(described)
     plan = checkpoint_match.LoadPlan(
         directory, meta, (mesh.replicate_size, mesh.shard_size), rank, per_rank
     )

@@ -19,7 +19,7 @@ from funcshard.comm import _collectives as collectives
 from funcshard.core._layout import FlatLayout, Layout, shard_pieces
 from funcshard.core._state import ShardedState
 from funcshard.io import _dcp as dcp
-from funcshard.io._optim_leaves import Packed
+from funcshard.io._optim_leaves import Full, Packed
 
 
 def to_dcp(
@@ -45,7 +45,9 @@ def to_dcp(
     out.update({f"params/{k}": value(v) for k, v in state.replicated.items()})
     out.update({f"buffers/{k}": value(v) for k, v in state.buffers.items()})
     for leaf, key, index in described:
-        if index is not None:
+        if isinstance(index, Full):
+            out.update(full_pieces(key, value(leaf), layout.flats[index.flat]))
+        elif index is not None:
             split(key, leaf, index)
         elif isinstance(leaf, Tensor):
             out[key] = value(leaf)
@@ -55,8 +57,22 @@ def to_dcp(
 def flat_shards(state: ShardedState, described: list[tuple[Any, str, Any]]) -> dict[str, Tensor]:
     """This rank's shard of every flat, params and lined-up optimizer leaves, by flat name."""
     out = {f"params#{i}": shard for i, shard in enumerate(state.shards)}
-    out.update({f"{key}#{index}": leaf for leaf, key, index in described if index is not None})
+    out.update(
+        {
+            f"{key}#{index}": leaf
+            for leaf, key, index in described
+            if index is not None and not isinstance(index, Full)
+        }
+    )
     return out
+
+
+def full_pieces(key: str, leaf: Tensor, flat: FlatLayout) -> dict[str, Tensor]:
+    """Each parameter's whole values in a `Full` leaf (padding left out), by stored key."""
+    return {
+        f"{key}/{fqn}": leaf[offset : offset + numel]
+        for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True)
+    }
 
 
 def from_dcp(
@@ -71,10 +87,22 @@ def from_dcp(
         buffers={k: loaded[f"buffers/{k}"] for k in state.buffers},
     )
     leaves = [
-        _join(key, loaded, index, layout) if index is not None else loaded.get(key, leaf)
+        _whole(key, loaded, leaf, layout.flats[index.flat])
+        if isinstance(index, Full)
+        else _join(key, loaded, index, layout)
+        if index is not None
+        else loaded.get(key, leaf)
         for leaf, key, index in described
     ]
     return new_state, leaves
+
+
+def _whole(key: str, loaded: dict[str, Any], like: Tensor, flat: FlatLayout) -> Tensor:
+    """A `Full` leaf rebuilt from its parameters' loaded values (padding zero)."""
+    leaf = torch.zeros_like(like)
+    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
+        leaf[offset : offset + numel] = loaded[f"{key}/{fqn}"].reshape(-1)
+    return leaf
 
 
 def first_ranks_buffers(state: ShardedState) -> ShardedState:

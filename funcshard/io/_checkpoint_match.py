@@ -106,7 +106,10 @@ def agree_on_keys(directory, saved, meta, report, with_optim, group) -> None:
     stored = {rank_values.base_key(k) for k in saved}
     stored = {k for k in stored if not k.startswith("extra/")}  # extra's: never a mismatch
     if meta.get("scalars") is not None:
-        stored |= set(meta["scalars"]) | set(meta.get("rank_scalars", {}))
+        # a None stored by older saves holds nothing (see [Note: optimizer leaves in
+        # checkpoints]): like's entry, whatever it is, is not asked to match it
+        stored |= {k for k, v in meta["scalars"].items() if v is not None}
+        stored |= set(meta.get("rank_scalars", {}))
     if not with_optim:  # parameters alone: the optimizer state stays on disk
         stored = {k for k in stored if not k.startswith("optim/")}
     missing = sorted({k for r in reports for k in r[0]} - stored - {"extra"})

@@ -13,6 +13,15 @@ registered with optree. Each leaf gets a key that names its pytree path, `optim/
   position: each leaf of a parameter's state is `optim/<path to the node>/<fqn>/<subpath>`,
   whichever rank holds it, and the alignment rule above never applies inside it (a
   parameter's whole-tensor state can have any numel);
+- a 1-D tensor at an int index whose numel is that flat's whole `padded_numel` while the
+  mesh shards it (a reduce's carry kept in the optimizer state: full size on every rank) is
+  a `Full` leaf: saved per parameter too, each parameter's whole values as a plain tensor,
+  `optim/<path>/<fqn>`. On a mesh of shard size 1 the two sizes are one, the leaf lines up
+  as above, and the keys are the same, so such a leaf moves between any meshes and plans.
+  Being per rank, it is mostly stored per rank and follows [Note: per-rank leaves];
+- a None leaf holds nothing: it is neither stored nor looked for, and a load keeps like's.
+  Keyed by position it would name a flat buffer's index (SGD's momentum without momentum
+  is one None per flat), and another mesh or plan has other flats;
 - everything else (step counts, Python numbers, strings) is kept under its path as it is.
 A leaf neither pytree library can open, other than a tensor, a number, a string or None,
 is refused naming its path, so nothing is silently left out.
@@ -64,6 +73,16 @@ class Packed:
 
     def __str__(self) -> str:
         return f"{self.flat}:{len(self.fqns)}"
+
+
+@dataclass(frozen=True)
+class Full:
+    """What a leaf the size of flat buffer `flat`'s whole padded buffer lines up with."""
+
+    flat: int
+
+    def __str__(self) -> str:
+        return f"full:{self.flat}"
 
 
 Align = Callable[[Any, str, Any], tuple[Any, str, Any]]
@@ -175,7 +194,9 @@ def packed_numel(layout: Layout, part: Any) -> int:
 
 
 def _aligned(item: Any, key: str, index: Any, layout: Layout) -> tuple[Any, str, Any]:
-    """(value, key, flat index or None) of a leaf outside any Owned node."""
+    """(value, key, flat index, Full or None) of a leaf outside any Owned node."""
+    if _full_size(item, index, layout):
+        return item, f"optim/{key.rsplit('[', 1)[0]}", Full(index)
     aligned = (
         isinstance(item, Tensor)
         and isinstance(index, int)
@@ -189,6 +210,24 @@ def _aligned(item: Any, key: str, index: Any, layout: Layout) -> tuple[Any, str,
     if replicated is not None:  # a replicated parameter's moment: keyed by its FQN
         return item, f"optim/{key.rsplit('[', 1)[0]}/{replicated}", None
     return item, f"optim/{key}", None
+
+
+def _full_size(item: Any, index: Any, layout: Layout) -> bool:
+    """Whether a leaf at `index` of a per-leaf sequence is that flat's whole padded buffer
+    on a mesh that shards it (a reduce's carry)."""
+    return (
+        layout.mesh.shard_size > 1
+        and isinstance(item, Tensor)
+        and isinstance(index, int)
+        and index < len(layout.flats)
+        and item.dim() == 1
+        and item.numel() == layout.flats[index].padded_numel
+    )
+
+
+def stored(leaf: Any) -> bool:
+    """Whether a leaf is stored: None holds nothing (see the Note)."""
+    return leaf is not None
 
 
 def _owned_items(prefix: str, node: Owned) -> tuple[list[tuple[Any, str, Any]], _OwnedPart]:

@@ -14,7 +14,7 @@ from torch import Tensor
 from funcshard.core._layout import FlatLayout, Layout
 from funcshard.core._refrozen import frozen_of, same_buffer
 from funcshard.core._state import ShardedState
-from funcshard.io._optim_leaves import Packed, optim_leaves, rebuild
+from funcshard.io._optim_leaves import Full, Packed, optim_leaves, rebuild
 from funcshard.io._repack import Gathered, repacked
 from funcshard.optim._base import Optimizer
 from funcshard.optim._owned import Owned
@@ -49,7 +49,7 @@ def _refuse_stray_entries(described: list, count: int) -> None:
     for value, key, align in described:
         m = _AT.match(key)
         per_leaf = m is not None and (m.group(1) in bases or sizes[m.group(1)] == count)
-        if per_leaf and align is None and value is not None:
+        if per_leaf and (align is None or isinstance(align, Full)) and value is not None:
             raise TypeError(
                 f"funcshard.refreeze: the optimizer state's {key.removeprefix('optim/')} is "
                 f"a per-leaf entry that is neither None nor a (shard_numel,) tensor lined up "

@@ -11,6 +11,16 @@ owner only (see [Note: owned state] in funcshard/optim/_owned.py).
 The transform is called once per parameter, with one-entry dicts: each parameter's state
 is then its own, which is what lets a checkpoint hand it to another owner at another world
 size, and what makes the transform's math the same on one rank and on many.
+
+[Note: a dict's entries without a gradient]
+On a ShardedState the trained parameters are known from the layout: `init` plans the
+unfrozen ones, and an update's gradient leaves are None exactly for the frozen ones, so
+both plan the same parameters and the owners (balanced over them) agree. A dict has no
+layout: `init` plans every entry, and an update plans those with a gradient. An entry
+with a None gradient (requires_grad=False: LoRA's frozen base; or unused this step) keeps
+its state and does not move, as in every funcshard optimizer on a dict. One process
+computes every entry, so no owner moves with it. Its state is carried over as it is; an
+entry with a gradient and no state is still refused.
 """
 
 from __future__ import annotations
@@ -70,9 +80,10 @@ def whole_params(transform: Optimizer, chunk_numel: int = 1 << 22) -> Optimizer:
     def update(grads: Any, state: Owned, params: Any, donate: bool = False) -> tuple[Any, Owned]:
         grad_leaves, param_leaves, like = _read(grads, params)
         plan, group = _plan(params, tuple(g is not None for g in grad_leaves), like is not None)
-        _check_owned(state, plan)
+        idle = _idle(state, params, grads)
+        _check_owned(state, plan, idle)
         like = grad_leaves if like is None else like
-        new_states = {}
+        new_states = dict(idle)
         back: list[Tensor | None] | None = None
         for chunk in owners.chunks(plan, chunk_numel):
             grads_of, values = owners.to_owners(chunk, [grad_leaves, param_leaves], group)
@@ -86,7 +97,8 @@ def whole_params(transform: Optimizer, chunk_numel: int = 1 << 22) -> Optimizer:
             back = owners.from_owners(chunk, updates, like, group, back)
         assert back is not None  # chunks() cuts a plan into at least one
         # donated: the transform may have written into the gradients (see [Note: donation])
-        return _like(grads, back, donate), Owned(new_states)
+        ordered = {f: new_states[f] for f in state.states}  # as init made them
+        return _like(grads, back, donate), Owned(ordered)
 
     return Optimizer(init, update)
 
@@ -128,16 +140,25 @@ def _only(delta: Any, fqn: str, grad: Tensor) -> Tensor:
     return grad.new_zeros(grad.shape) if u is None else u
 
 
-def _check_owned(state: Any, plan: owners.Plan) -> None:
+def _idle(state: Any, params: Any, grads: Any) -> dict[str, Any]:
+    """A dict's entries with no gradient this step and their states, kept as they are (see
+    [Note: a dict's entries without a gradient]); {} for any other params."""
+    if not (isinstance(params, dict) and isinstance(grads, dict) and isinstance(state, Owned)):
+        return {}
+    return {f: s for f, s in state.states.items() if f in params and grads.get(f) is None}
+
+
+def _check_owned(state: Any, plan: owners.Plan, idle: dict[str, Any]) -> None:
     if not isinstance(state, Owned):
         raise TypeError(
             f"funcshard.optim.whole_params: opt_state must be what its init returned (Owned), "
             f"got {type(state).__name__}."
         )
     expected = set(plan.owned_fqns)
-    if set(state.states) != expected:
-        missing = sorted(expected - set(state.states))
-        extra = sorted(set(state.states) - expected)
+    held = set(state.states) - set(idle)
+    if held != expected:
+        missing = sorted(expected - held)
+        extra = sorted(held - expected)
         raise ValueError(
             f"funcshard.optim.whole_params: this rank's optimizer state holds other "
             f"parameters than it owns here (missing {format_names(missing) or 'none'}, not "

@@ -16,7 +16,7 @@ a forward that depends on the rank fails there, not here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -144,6 +144,15 @@ def _clone(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in tensors.items()}
 
 
+class PerFlat(NamedTuple):
+    """An optimizer field with one moment per flat buffer, unsharded: which buffers had one
+    and the values by FQN (a named type: a field that is itself a tuple, such as an empty
+    state's `()`, is compared as it is)."""
+
+    present: tuple[bool, ...]
+    values: dict[str, Tensor]
+
+
 def unsharded_moments(state: ShardedState, opt_state: Any) -> dict[str, Any]:
     """The optimizer state's fields by dotted path (into nested states: a chain's, a
     partition's): those laid out like the shards (one per flat buffer: momentum, Adam's
@@ -224,7 +233,7 @@ def _unshard_fields(
                 v if v is not None else torch.zeros_like(s)
                 for v, s in zip(shards, state.shards, strict=True)
             )
-            out[path] = (present, _clone(unshard(state.replace(shards=filled))))
+            out[path] = PerFlat(present, _clone(unshard(state.replace(shards=filled))))
         elif _fields(value):
             _unshard_fields(state, value, f"{path}.", out, sharded, parts)
         else:
@@ -343,14 +352,14 @@ def _differences(what: str, ours: dict[str, Any], theirs: dict[str, Any]) -> lis
         ]
     for name, value in theirs["moments"].items():
         mine = ours["moments"].get(name)
-        if isinstance(value, tuple):
-            if mine is None or mine[0] != value[0]:
+        if isinstance(value, PerFlat):
+            if not isinstance(mine, PerFlat) or mine.present != value.present:
                 problems.append(f"{what} optimizer {name}: other buffers hold one")
                 continue
             problems += [
                 f"{what} optimizer {name} of {k} differs"
-                for k, v in value[1].items()
-                if not bitwise(mine[1][k], v)
+                for k, v in value.values.items()
+                if not bitwise(mine.values[k], v)
             ]
         elif isinstance(value, Tensor) and not bitwise(mine, value):
             problems.append(f"{what} optimizer {name} {mine!r}, saved {value!r}")

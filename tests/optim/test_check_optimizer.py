@@ -6,6 +6,7 @@ catches it, naming a parameter; LARS through `fs.optim.segments` keeps every law
 factories are tests/optim/test_optim_warnings.py's, module-level so the ranks unpickle them.
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -14,6 +15,7 @@ from test_optim_warnings import lars, naive_lars
 from torch import nn
 
 import funcshard as fs
+from funcshard.testing.recipe import Axes
 
 # one mesh of two ranks, two steps, no recipe switches, one flat buffer of all four parameters
 # (the root unit): the smallest check where LARS's leaves mix parameters split over ranks
@@ -93,3 +95,50 @@ def test_the_check_command_takes_an_optimizer_factory_by_module_and_name():
     )
     assert chosen["optimizer"] is lars
     assert check_command._options(parser.parse_args(argv))["optimizer"] == "adamw"
+
+
+class Stack(nn.Module):
+    """Two blocks in a ModuleList: check's frozen axis freezes each block's first Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(2)
+        )
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def stateless_sgd() -> fs.optim.Optimizer:
+    """Plain SGD whose state is `()`: nothing to save but the empty tuple."""
+
+    def update(grads, state, params, donate=False):
+        return fs.tree_map(lambda g: -0.05 * g, grads), state
+
+    return fs.optim.Optimizer(lambda params: (), update)
+
+
+def _only(**on: bool) -> Axes:
+    """Check's recipe axes with only `on` drawn."""
+    return dataclasses.replace(Axes.none(), **on)
+
+
+def test_an_empty_optimizer_state_keeps_the_checkpoint_law_beside_clipping():
+    """`chain(clip, f)`'s state holds f's `()`: saved, loaded and compared as it is."""
+    small = {**SMALL, "recipes": _only(clip=True)}
+    report = fs.testing.check(mlp, batch, optimizer=stateless_sgd, examples=2, **small)
+    assert report.ok, report.table()
+    assert any(c.clip for c in report.configs)
+
+
+def test_whole_params_beside_frozen_parameters_keeps_every_law():
+    """check's frozen axis pinned (frozen="split"): the reference runs the optimizer on one
+    process's params dict, whose frozen entries get None gradients, the shards beside it."""
+    small = {**SMALL, "recipes": _only(frozen=True), "policy": None}
+    report = fs.testing.check(Stack, batch, optimizer=whole_params_lars, examples=2, **small)
+    assert report.ok, report.table()
+    assert any(c.frozen for c in report.configs)

@@ -355,3 +355,35 @@ def test_gradients_a_whole_params_step_took_cannot_be_read_again():
     assert not torch.equal(new_params["w"], before)
     with pytest.raises(fs.DonatedError, match="donated"):
         grads["w"] + 1
+
+
+def test_muon_on_a_dict_beside_a_frozen_base_equals_torch_muon_on_the_adapters():
+    """A LoRA base (requires_grad=False, so a None gradient) beside its trained adapters in
+    one process's params dict: the base keeps its state and does not move, the adapters
+    step as torch.optim.Muon steps them (see [Note: a dict's entries without a gradient])."""
+    torch.manual_seed(0)
+    base, a, b = torch.randn(6, 5), torch.randn(2, 5) * 0.1, torch.randn(6, 2) * 0.1
+    params = {"base": base.clone(), "lora_a": a.clone(), "lora_b": b.clone()}
+    ours = fs.optim.muon(0.02)
+    state = ours.init(params)
+    theirs = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    torch_muon = torch.optim.Muon(theirs, lr=0.02)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 5, generator=g), torch.randn(4, 6, generator=g)
+        trained = [params["lora_a"].requires_grad_(), params["lora_b"].requires_grad_()]
+        loss = _lora_loss(params["base"], *trained, x, y)
+        grads = dict(zip(("lora_a", "lora_b"), torch.autograd.grad(loss, trained), strict=True))
+        updates, state = ours.update({"base": None, **grads}, state, params)
+        params = fs.optim.apply_updates({k: v.detach() for k, v in params.items()}, updates)
+        torch_muon.zero_grad()
+        _lora_loss(base, *theirs, x, y).backward()
+        torch_muon.step()
+    torch.testing.assert_close(params["base"], base, rtol=0, atol=0)
+    for name, want in zip(("lora_a", "lora_b"), theirs, strict=True):
+        torch.testing.assert_close(params[name], want.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert set(state.states) == {"base", "lora_a", "lora_b"}
+
+
+def _lora_loss(base, a, b, x, y):
+    return ((x @ (base + b @ a).T - y) ** 2).mean()
