@@ -47,6 +47,18 @@ funcshard/comm/_comm.py) take the place of the all-gather and the reduce-scatter
 the spec carries them, `issue_gather` calls the gather (synchronously: no prefetch) and the
 reduce runs synchronously in backward (no overlap); without them every path is unchanged.
 
+[Note: forward mode through the gather]
+The tangent of an all-gather is the all-gather of the tangent: the op is linear. So `jvp`
+gathers the shard's tangent as forward gathers the shard (the same dtype cast, one
+all-gather over the shard axis) and views it per parameter; across replicas the tangents
+are already equal, as the shards are. `torch.func.jvp` and `torch.autograd.forward_ad` both
+reach it. A shard that carries a tangent does not require grad, so `Run` (in
+funcshard/step/_unit_schedule.py) routes it through this op whenever it has a tangent;
+before, it took the gather meant for no-grad calls, outside autograd, and the tangent came
+out zero, silently. The reduce is linear too, and its jvp reduces the tangent
+(`_ReduceFlat` in funcshard/step/_reduce_flat.py), so forward over reverse (`torch.func.jvp`
+of `torch.func.grad`, a Hessian-vector product) works and equals double backward.
+
 `reduction` says what the backward does: "mean" (the default), "shard" (HSDP without the
 all-reduce across replicas) or "none": the unreduced full gradient goes to `sink`, a
 full-size gradient target (`value_and_grad(reduce=False)`), and the shard gets none.
@@ -136,6 +148,17 @@ class _Gather(torch.autograd.Function):
         shard, _, ctx.spec, _, ctx.deferred, ctx.on_backward = inputs
         ctx.shard_dtype, ctx.shard_device = shard.dtype, shard.device
         ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor | None, *_: Any) -> tuple[Tensor, ...]:
+        """The parameters' tangents: the shard's tangent all-gathered (see [Note: forward
+        mode through the gather])."""
+        spec: GatherSpec = ctx.spec
+        if tangent is None:  # only the sink had one: the shard's direction is zero
+            tangent = torch.zeros(
+                spec.flat.shard_numel, dtype=ctx.shard_dtype, device=ctx.shard_device
+            )
+        return param_views(_all_gather(tangent, spec), spec.flat)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:

@@ -67,6 +67,12 @@ class _ReduceFlat(torch.autograd.Function):
         ctx.spec = inputs[1]
 
     @staticmethod
+    def jvp(ctx: Any, tangent: Tensor, _: None) -> Tensor:
+        """The reduce is linear: its tangent is the reduce of the tangent (forward over
+        reverse, see [Note: forward mode through the gather] in funcshard/step/_gather.py)."""
+        return _ReduceFlat.forward(tangent, ctx.spec)
+
+    @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         return _GatherFlat.apply(grad, ctx.spec), None
 

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from funcshard.comm import _chaos as chaos
@@ -73,6 +74,8 @@ class Run(UnitGathers):
             grad and not flat.frozen and (s.requires_grad or sink is not None)
             for s, sink, flat in zip(state.shards, self.sinks, layout.flats, strict=True)
         )
+        # shards with a forward-mode tangent: see [Note: forward mode through the gather]
+        self.tangent = tuple(_has_tangent(s) for s in state.shards)
         # the wait nodes come first, before any compute: see [Note: one differentiable gather]
         asynchronous = tuple(  # (a user's reduce runs synchronously)
             d
@@ -154,6 +157,8 @@ class Run(UnitGathers):
         on_backward: Callable[[], None] | None,
     ) -> tuple[Tensor, ...]:
         spec = self.specs[i]
+        if self.tangent[i] and not differentiable:
+            return gather.gather(self.state.shards[i], spec, source)
         if differentiable:
             shard = self.state.shards[i]
             return gather.gather(shard, spec, source, self.sinks[i], self.deferred[i], on_backward)
@@ -474,3 +479,8 @@ def _casting_post_hook(entries: _Entries, unit: int) -> Callable[..., Any]:
         return precision.cast_outputs(policy, output)
 
     return hook
+
+
+def _has_tangent(shard: Tensor) -> bool:
+    """Whether `shard` carries a forward-mode tangent (`torch.func.jvp`, `forward_ad`)."""
+    return fwAD.unpack_dual(shard).tangent is not None
