@@ -63,6 +63,8 @@ def started(state: ShardedState) -> None:
 def words(params: object, grads: object, checking: str) -> list[int]:
     """This rank's words for the check of a layout's first step that issues a verdict (see
     [Note: parameters stuck at zero]), or [] (checked before, no verdict, traced)."""
+    if torch.compiler.is_dynamo_compiling():  # (first: nothing below is for dynamo to trace)
+        return []
     if not isinstance(params, ShardedState) or not isinstance(grads, ShardedGrads):
         return []
     layout = params.layout
@@ -70,7 +72,7 @@ def words(params: object, grads: object, checking: str) -> list[int]:
     if hit is None or hit[0] is not layout:
         return []
     verdict = checking == "skip" or (checking == "raise" and grads.usage is not None)
-    if not verdict or torch.compiler.is_dynamo_compiling() or collectives.tracing(params.shards):
+    if not verdict or collectives.tracing(params.shards):
         return []
     del _STARTED[id(layout)]
     candidates = hit[1]
