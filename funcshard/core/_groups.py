@@ -48,7 +48,11 @@ class GroupView:
 
     Made by `group_of`, it also keeps `source`, the full view's leaves, and packs `values`
     only when they are first read: `whole_params` reads its pieces straight from the
-    source leaves, so a group it alone reads is never copied into packed leaves."""
+    source leaves, so a group it alone reads is never copied into packed leaves.
+
+    A user optimizer inside `partition` may use it as it would a state: `funcshard.unshard`
+    gives the group's parameters whole by FQN, `funcshard.reshard(view, whole)` a view
+    holding them, `replace(values=...)` a view with other leaves."""
 
     def __init__(
         self,
