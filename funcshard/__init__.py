@@ -47,6 +47,7 @@ from funcshard.step import GatheredState as GatheredState
 from funcshard.step import NonFiniteError as NonFiniteError
 from funcshard.step import NonFiniteWarning as NonFiniteWarning
 from funcshard.step import Prefetch as Prefetch
+from funcshard.step import StuckAtZeroWarning as StuckAtZeroWarning
 from funcshard.step import _host_memory as host_memory
 from funcshard.step import accumulate as accumulate
 from funcshard.step import call as call
@@ -87,6 +88,7 @@ __all__ = [
     "ShardedGrads",
     "ShardedState",
     "SplitGraph",
+    "StuckAtZeroWarning",
     "UngatheredParameterError",
     "Unit",
     "UnitOptions",

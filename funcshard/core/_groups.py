@@ -48,7 +48,11 @@ class GroupView:
 
     Made by `group_of`, it also keeps `source`, the full view's leaves, and packs `values`
     only when they are first read: `whole_params` reads its pieces straight from the
-    source leaves, so a group it alone reads is never copied into packed leaves."""
+    source leaves, so a group it alone reads is never copied into packed leaves.
+
+    A user optimizer inside `partition` may use it as it would a state: `funcshard.unshard`
+    gives the group's parameters whole by FQN, `funcshard.reshard(view, whole)` a view
+    holding them, `replace(values=...)` a view with other leaves."""
 
     def __init__(
         self,
@@ -78,6 +82,26 @@ class GroupView:
 
     def leaves(self) -> list[Tensor | None]:
         return list(self.values)
+
+    def replace(self, **changes: Any) -> GroupView:
+        """A view of the same group with other `values` (the record itself never changes):
+        what `ShardedState.replace(shards=...)` is to a state. Only `values` may change."""
+        ensure_live(self, "GroupView.replace")
+        if set(changes) != {"values"}:
+            raise TypeError(
+                f"GroupView.replace: a partition group's view changes only its values, got "
+                f"{sorted(changes)}. Pass values=, one tensor (or None) per leaf of "
+                f"group.values, in that order."
+            )
+        values = tuple(changes["values"])
+        if len(values) != len(self.parts):
+            raise ValueError(
+                f"GroupView.replace: the group has {len(self.parts)} leaves, got "
+                f"{len(values)} values. Pass one per leaf of group.values, in that order."
+            )
+        view = GroupView(values, self.layout, self.parts)
+        view.unused = self.unused
+        return view
 
     def unpacked(self) -> list[Tensor | None]:
         """Each leaf's source leaf, or the leaf itself when made from values: for what

@@ -25,12 +25,14 @@ from funcshard.step._unit_gathers import Prefetch as Prefetch
 from funcshard.step._unsharding import reshard as reshard
 from funcshard.step._unsharding import unshard as unshard
 from funcshard.step._unsharding import unshard_async as unshard_async
+from funcshard.step._zero_start import StuckAtZeroWarning as StuckAtZeroWarning
 
 __all__ = [
     "GatheredState",
     "NonFiniteError",
     "NonFiniteWarning",
     "Prefetch",
+    "StuckAtZeroWarning",
     "accumulate",
     "call",
     "carry_zeros",

@@ -30,6 +30,7 @@ from funcshard.step import _finite as finite
 from funcshard.step import _gc_pause as gc_pause
 from funcshard.step import _host_memory as host_memory
 from funcshard.step import _usage as usage
+from funcshard.step import _zero_start as zero_start
 from funcshard.step._carry import check_carry
 from funcshard.step._deferred_reduce import abandon_reduces
 from funcshard.step._gather_spec import Differentiated, specs_and_sinks
@@ -170,7 +171,10 @@ def value_and_grad(
                 f"{type(params).__name__}."
             )
         loss = value[0] if has_aux else value
-        grads = finite.judged(loss, grads, checking, all_reduce, "value_and_grad")
+        stuck = zero_start.words(params, grads, checking)  # see [Note: parameters stuck at zero]
+        grads = finite.judged(loss, grads, checking, all_reduce, "value_and_grad", stuck)
+        if stuck:
+            zero_start.warn(grads, "funcshard.value_and_grad")
         return (value, grads, new_carry) if carry is not None else (value, grads)
 
     return wrapped

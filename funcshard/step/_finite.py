@@ -62,7 +62,7 @@ import contextlib
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -106,7 +106,12 @@ def policy(check_finite: bool | str, where: str) -> str:
     return str(check_finite)
 
 
-def issue(loss: Tensor | None, grads: ShardedGrads, across_replicas: bool = True) -> Verdict | None:
+def issue(
+    loss: Tensor | None,
+    grads: ShardedGrads,
+    across_replicas: bool = True,
+    extra: Sequence[int] = (),
+) -> Verdict | None:
     """Decide whether `loss` and `grads` are finite on every rank that reduced them
     together: the whole mesh, or the shard axis alone when the replicas were not reduced
     (`all_reduce=False`: HSDP accumulation, DiLoCo's inner steps, which must not talk
@@ -129,6 +134,8 @@ def issue(loss: Tensor | None, grads: ShardedGrads, across_replicas: bool = True
     taken = trail.take([g.group_name for g in roles])
     # then the unused parameters' words (see [Note: unused parameters])
     words = grads.usage.words() if grads.usage is not None else []
+    at = len(checked) + len(words)  # then the first step's stuck-at-zero words (see [Note:
+    words = [*words, *extra]  # parameters stuck at zero] in funcshard/step/_zero_start.py)
     if mesh.device.type == "cpu":  # (eager: traced steps returned above) one tensor, made once
         flags = torch.tensor([*_flags_on_host(checked), *words, *taken], dtype=torch.int64)
     else:
@@ -138,6 +145,7 @@ def issue(loss: Tensor | None, grads: ShardedGrads, across_replicas: bool = True
     verdict = _gathered(flags, grads, across_replicas, trails=True, words=len(words))
     if grads.usage is not None:
         grads.usage.agree_by(verdict._every, verdict.width(), len(checked))
+    verdict.extra = (at, len(extra))
     return verdict
 
 
@@ -168,17 +176,25 @@ def _gathered(
     )
 
 
-def judged(loss: Tensor | None, grads: Any, policy: str, across_replicas: bool, where: str) -> Any:
+def judged(
+    loss: Tensor | None,
+    grads: Any,
+    policy: str,
+    across_replicas: bool,
+    where: str,
+    extra: Sequence[int] = (),
+) -> Any:
     """`grads` after the check `policy` asks for (see `policy`): "raise" raises here when
     some rank's loss or gradients are not finite; "skip" gives sharded gradients their
     verdict (see `issue`: a graph node when dynamo traces, none under make_fx); "off"
     leaves them alone. Sharded gradients that track unused parameters have them agreed by
     the verdict's all-gather, or (with "off") by one of their own (see [Note: unused
-    parameters] in funcshard/step/_usage.py)."""
+    parameters] in funcshard/step/_usage.py). `extra` words ride the verdict (the first
+    step's stuck-at-zero check, given only where a verdict is issued)."""
     sharded = isinstance(grads, ShardedGrads)
     tracked = sharded and grads.usage is not None
     if policy == "raise" and tracked:  # (eager: a traced step tracks nothing)
-        verdict = issue(loss, grads, across_replicas)
+        verdict = issue(loss, grads, across_replicas, extra)
         if verdict is not None:
             verdict.acted = True  # decided here: optimizers only follow
             if not verdict.finite():
@@ -187,7 +203,7 @@ def judged(loss: Tensor | None, grads: Any, policy: str, across_replicas: bool, 
     elif policy == "raise":
         check(loss, grads, where, across_replicas)
     elif policy == "skip" and sharded:
-        verdict = issue(loss, grads, across_replicas)
+        verdict = issue(loss, grads, across_replicas, extra)
         if verdict is not None:
             return dataclasses.replace(grads, verdict=verdict)
     elif tracked:

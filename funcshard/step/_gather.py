@@ -47,6 +47,21 @@ funcshard/comm/_comm.py) take the place of the all-gather and the reduce-scatter
 the spec carries them, `issue_gather` calls the gather (synchronously: no prefetch) and the
 reduce runs synchronously in backward (no overlap); without them every path is unchanged.
 
+[Note: forward mode through the gather]
+The tangent of an all-gather is the all-gather of the tangent: the op is linear. So `jvp`
+gathers the shard's tangent as forward gathers the shard (the same dtype cast, one
+all-gather over the shard axis) and views it per parameter; across replicas the tangents
+are already equal, as the shards are. `torch.func.jvp` and `torch.autograd.forward_ad` both
+reach it, through `_GatherForward`, the op with its `jvp`, used only for a shard that
+carries a tangent or under torch.func transforms (`jvp` of `grad`: the outer tangent is not
+visible on the inner level): dynamo refuses to trace a Function that defines a `jvp`. A shard that
+carries a tangent does not require grad, so `Run` (in
+funcshard/step/_unit_schedule.py) routes it through this op whenever it has a tangent;
+before, it took the gather meant for no-grad calls, outside autograd, and the tangent came
+out zero, silently. The reduce is linear too, and its jvp reduces the tangent
+(`_ReduceFlat` in funcshard/step/_reduce_flat.py), so forward over reverse (`torch.func.jvp`
+of `torch.func.grad`, a Hessian-vector product) works and equals double backward.
+
 `reduction` says what the backward does: "mean" (the default), "shard" (HSDP without the
 all-reduce across replicas) or "none": the unreduced full gradient goes to `sink`, a
 full-size gradient target (`value_and_grad(reduce=False)`), and the shard gets none.
@@ -65,7 +80,7 @@ from funcshard.comm import _collectives as collectives
 from funcshard.comm import _streams as streams
 from funcshard.core._layout import param_views
 from funcshard.step import _usage as usage
-from funcshard.step._autograd_apply import apply_function
+from funcshard.step._autograd_apply import apply_function, forward_mode
 from funcshard.step._deferred_reduce import THROTTLE, Deferred
 from funcshard.step._gather_spec import GatherSpec
 from funcshard.step._reduce_flat import prepared, reduce
@@ -106,7 +121,8 @@ def gather(
     if deferred is not None:
         deferred.gathers += 1
         shard = deferred.shard
-    return apply_function(_Gather, shard, sink, spec, source, deferred, on_backward)
+    function = _GatherForward if forward_mode(shard) else _Gather
+    return apply_function(function, shard, sink, spec, source, deferred, on_backward)
 
 
 def gathered_buffer(params: tuple[Tensor, ...]) -> Tensor | None:
@@ -169,6 +185,22 @@ class _Gather(torch.autograd.Function):
             return THROTTLE.issue(grad, spec, writable), None, None, None, None, None
         grad = reduce(full, spec).to(ctx.shard_device, ctx.shard_dtype)  # offload: to the host
         return grad, None, None, None, None, None
+
+
+class _GatherForward(_Gather):
+    """The gather with its `jvp`, for shards that carry a tangent: dynamo refuses to trace
+    a Function that defines one, so compiled steps meet `_Gather` itself."""
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor | None, *_: Any) -> tuple[Tensor, ...]:
+        """The parameters' tangents: the shard's tangent all-gathered (see [Note: forward
+        mode through the gather])."""
+        spec: GatherSpec = ctx.spec
+        if tangent is None:  # only the sink had one: the shard's direction is zero
+            tangent = torch.zeros(
+                spec.flat.shard_numel, dtype=ctx.shard_dtype, device=ctx.shard_device
+            )
+        return param_views(_all_gather(tangent, spec), spec.flat)
 
 
 def _legacy_batched(grads: tuple[Tensor | None, ...]) -> bool:

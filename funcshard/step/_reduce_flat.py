@@ -12,7 +12,7 @@ from torch import Tensor
 from funcshard.comm import _collectives as collectives
 from funcshard.comm._comm import MeshAxis
 from funcshard.core._layout import frozen_ranges
-from funcshard.step._autograd_apply import apply_function
+from funcshard.step._autograd_apply import apply_function, forward_mode
 from funcshard.step._gather_spec import GatherSpec
 from funcshard.step._user_comm import user_reduce
 
@@ -34,7 +34,8 @@ def reduce(full: Tensor, spec: GatherSpec) -> Tensor:
 
     Communicates: one reduce-scatter over the shard axis, plus one all-reduce across replicas
     for reduction "mean"; its backward one all-gather."""
-    return apply_function(_ReduceFlat, prepared(full, spec), spec)
+    function = _ReduceFlatForward if forward_mode(full) else _ReduceFlat
+    return apply_function(function, prepared(full, spec), spec)
 
 
 class _ReduceFlat(torch.autograd.Function):
@@ -69,6 +70,17 @@ class _ReduceFlat(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         return _GatherFlat.apply(grad, ctx.spec), None
+
+
+class _ReduceFlatForward(_ReduceFlat):
+    """The reduce with its `jvp`, for a gradient that carries a tangent (dynamo refuses to
+    trace a Function that defines one)."""
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor, _: None) -> Tensor:
+        """The reduce is linear: its tangent is the reduce of the tangent (forward over
+        reverse, see [Note: forward mode through the gather] in funcshard/step/_gather.py)."""
+        return _ReduceFlat.forward(tangent, ctx.spec)
 
 
 def reduce_whole(

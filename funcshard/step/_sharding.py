@@ -23,6 +23,7 @@ from funcshard.core._precision import MixedPrecision
 from funcshard.core._state import ShardedState
 from funcshard.core._tree import format_names
 from funcshard.init._materialize import Init, check_init, local_slice, materialize
+from funcshard.step import _zero_start as zero_start
 
 
 def shard(
@@ -118,7 +119,7 @@ def shard_as(
     }
     if offload:
         shards = [_to_host(s, pin=mesh.device.type == "cuda") for s in shards]
-    return ShardedState(
+    state = ShardedState(
         shards=tuple(shards),
         replicated=replicated,
         buffers=buffers,
@@ -127,6 +128,8 @@ def shard_as(
         reshard_after_forward=reshard_after_forward,
         offload=offload,
     )
+    zero_start.started(state)  # see [Note: parameters stuck at zero]
+    return state
 
 
 def _to_host(shard: Tensor, pin: bool) -> Tensor:

@@ -55,6 +55,7 @@ from funcshard.core._binding import Binding
 from funcshard.core._layout import param_views
 from funcshard.core._state import ShardedState
 from funcshard.step import _gather as gather
+from funcshard.step._autograd_apply import has_tangent
 from funcshard.step._deferred_reduce import wait_nodes
 from funcshard.step._gather_spec import Differentiated
 from funcshard.step._regather import Regather
@@ -73,15 +74,20 @@ class Run(UnitGathers):
             grad and not flat.frozen and (s.requires_grad or sink is not None)
             for s, sink, flat in zip(state.shards, self.sinks, layout.flats, strict=True)
         )
+        # shards with a forward-mode tangent: see [Note: forward mode through the gather]
+        self.tangent = tuple(has_tangent(s) for s in state.shards)
         # the wait nodes come first, before any compute: see [Note: one differentiable gather]
-        asynchronous = tuple(  # (a user's reduce runs synchronously)
+        asynchronous = tuple(  # (a user's reduce runs synchronously; a tangent: no wait node)
             d
+            and not t
             and spec.reduction != "none"  # (a buffer kept local: see [Note: units kept local])
             and not self.functorch
             and s.requires_grad
             and not spec.user_reduce
             and s.device == spec.device  # an offloaded shard's gradient goes to the host at once
-            for d, s, spec in zip(self.differentiable, state.shards, self.specs, strict=True)
+            for d, s, spec, t in zip(
+                self.differentiable, state.shards, self.specs, self.tangent, strict=True
+            )
         )
         self.deferred = wait_nodes(state.shards, self.specs, asynchronous)
         relinked = tuple(  # a second wait node for the second gather of `relink`
@@ -154,6 +160,8 @@ class Run(UnitGathers):
         on_backward: Callable[[], None] | None,
     ) -> tuple[Tensor, ...]:
         spec = self.specs[i]
+        if self.tangent[i] and not differentiable:
+            return gather.gather(self.state.shards[i], spec, source)
         if differentiable:
             shard = self.state.shards[i]
             return gather.gather(shard, spec, source, self.sinks[i], self.deferred[i], on_backward)

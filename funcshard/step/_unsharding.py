@@ -6,27 +6,36 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 from torch import Tensor
 
 from funcshard.comm import _collectives as collectives
 from funcshard.comm._comm import Comm
+from funcshard.core._groups import GroupView
 from funcshard.core._layout import FlatLayout, Layout, param_views
 from funcshard.core._state import ShardedState, ensure_live
 from funcshard.core._tree import format_names
 from funcshard.init._materialize import local_slice
 from funcshard.step import _gather as gather
 from funcshard.step._gather_spec import GatherSpec
+from funcshard.step._group_unsharding import (
+    GroupUnshardHandle,
+    reshard_group,
+    unshard_group_async,
+)
 
 
 def unshard(
-    state: ShardedState, units: Sequence[str] | None = None, comm: Comm | None = None
+    state: ShardedState | GroupView, units: Sequence[str] | None = None, comm: Comm | None = None
 ) -> dict[str, Tensor]:
     """Gather full parameters (all of them, or those of `units`) in their original dtypes;
     with `comm`, through its gather: the parameters a call with that comm computes with.
 
     The dict lists them in the model's `named_parameters()` order, replicated ones included,
-    as `extract(model)` does, so the two compare as pytrees without reordering.
+    as `extract(model)` does, so the two compare as pytrees without reordering. On a
+    partition group's view (`GroupView`, what a user optimizer inside `partition` gets),
+    the group's parameters, all of them (see [Note: unsharding a group's view]).
 
     Communicates: one all-gather over the shard axis per flat buffer (none when the shard axis
     has size 1, where the result shares memory with the state). Law: inverts `shard`.
@@ -51,10 +60,15 @@ class UnshardHandle:
 
 
 def unshard_async(
-    state: ShardedState, units: Sequence[str] | None = None, comm: Comm | None = None
-) -> UnshardHandle:
+    state: ShardedState | GroupView,
+    units: Sequence[str] | None = None,
+    comm: Comm | None = None,
+) -> UnshardHandle | GroupUnshardHandle:
     """Start `unshard`: issue every all-gather now and return a handle to wait on (a
-    `comm`'s gather runs now, to its end)."""
+    `comm`'s gather runs now, to its end). A partition group's view (`GroupView`) gives
+    the group's parameters (see [Note: unsharding a group's view])."""
+    if isinstance(state, GroupView):
+        return unshard_group_async(state, units, comm)
     ensure_live(state, "unshard")
     layout = state.layout
     if isinstance(units, str):
@@ -92,12 +106,21 @@ def _model_order(layout: Layout, fqns: Sequence[str]) -> tuple[str, ...]:
     return (*ordered, *(f for f in fqns if f not in listed))
 
 
-def reshard(state: ShardedState, full: Mapping[str, Tensor]) -> ShardedState:
+@overload
+def reshard(state: ShardedState, full: Mapping[str, Tensor]) -> ShardedState: ...
+@overload
+def reshard(state: GroupView, full: Mapping[str, Tensor]) -> GroupView: ...
+def reshard(
+    state: ShardedState | GroupView, full: Mapping[str, Tensor]
+) -> ShardedState | GroupView:
     """A new state holding `full` (FQN -> full tensor, as `unshard` returns) in `state`'s layout.
 
     Communicates: nothing (each rank slices its own part). Law: `reshard(s, unshard(s))`
-    equals `s`.
+    equals `s`. On a partition group's view (`GroupView`), `full` holds the group's
+    parameters and the result is a view of the group.
     """
+    if isinstance(state, GroupView):
+        return reshard_group(state, full)
     layout = state.layout
     _check_full(full, layout, state)
     shards = tuple(

@@ -36,6 +36,9 @@ class Verdict:
         self._parts: tuple[Verdict, Verdict] | None = None  # of a merged verdict
         self._rows: list[list[int]] | None = None
         self.acted = False  # an optimizer has decided on it (warned, or counted it finite)
+        # where other words sit in each rank's row, and how many: see [Note: parameters
+        # stuck at zero] in funcshard/step/_zero_start.py
+        self.extra = (0, 0)
 
     def rows(self) -> list[list[int]]:
         """Per rank: [loss not finite, then one flag per leaf]."""

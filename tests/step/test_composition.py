@@ -20,6 +20,7 @@ import warnings
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import nn
 from torch.func import functional_call
 
@@ -266,15 +267,18 @@ def _sharded_hvp(mesh: str, rank: int) -> dict:
     model, state, [(x, y)] = _setup(mesh, rank)
     v = fs.reshard(state, _direction(model)).shards
     shards = tuple(s.detach().requires_grad_() for s in state.shards)
-    hv = _hvp(lambda sh: _mse(_sharded(model, state.replace(shards=sh)), x, y), shards, v)
-    return {"hv": _full(state, hv)}
+    loss = lambda sh: _mse(_sharded(model, state.replace(shards=sh)), x, y)  # noqa: E731
+    hv = _hvp(loss, shards, v)
+    _, forward_over_reverse = torch.func.jvp(torch.func.grad(loss), (state.shards,), (v,))
+    return {"hv": _full(state, hv), "jvp_of_grad": _full(state, forward_over_reverse)}
 
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_hessian_vector_product_matches_one_process(mesh):
     """Law: the HVP by double backward over the shards, against a direction sharded like them
-    (each rank's local dot of its shards is its part of one global sum), unsharded equals one
-    process's HVP on the global batch with the full direction."""
+    (each rank's local dot of its shards is its part of one global sum), and by forward over
+    reverse (`jvp` of `grad`), unsharded equals one process's HVP on the global batch with the
+    full direction. Regression: forward over reverse raised torch's NotImplementedError."""
     results = testing.run(functools.partial(_sharded_hvp, mesh), world_size=WORLD[mesh])
     model, params = _reference()
     x, y = _global_batch(1)
@@ -288,6 +292,8 @@ def test_hessian_vector_product_matches_one_process(mesh):
     assert all(h.abs().max() > 1e-3 for h in expected.values())  # a real second derivative
     for rank, hv in _per_rank(results, "hv"):
         _assert_close(hv, expected, f"rank {rank} HVP")
+    for rank, hv in _per_rank(results, "jvp_of_grad"):  # forward over reverse
+        _assert_close(hv, expected, f"rank {rank} HVP by torch.func.jvp of torch.func.grad")
 
 
 # --- 5. MAML: two inner SGD steps with create_graph ----------------------------------------
@@ -362,6 +368,48 @@ def test_composed_transforms_keep_working_for_inference(mesh):
         _assert_close(r["batched"], _local(out, mesh, rank), f"rank {rank} call vs one process")
         _assert_close(r["out"], _local(out, mesh, rank), f"rank {rank} jvp primal")
         _assert_close(r["tangent_out"], _local(tangent_out, mesh, rank), f"rank {rank} jvp tangent")
+
+
+def _shard_jvp(mesh: str, rank: int) -> dict:
+    model, state, [(x, _)] = _setup(mesh, rank)
+    # a direction in shard space: one per shard rank, the same across replicas
+    g = torch.Generator().manual_seed(100 + state.layout.mesh.shard_rank)
+    v = tuple(torch.randn(s.shape, generator=g) for s in state.shards)
+    direction = _full(state, v)  # the same direction over the full parameters
+
+    def forward(shards):
+        return fs.call(model, state.replace(shards=shards), x)
+
+    out, tangent_out = torch.func.jvp(forward, (state.shards,), (v,))
+    with fwAD.dual_level():  # torch.autograd.forward_ad, the same rule
+        duals = tuple(fwAD.make_dual(s, t) for s, t in zip(state.shards, v, strict=True))
+        dual_tangent = fwAD.unpack_dual(forward(duals)).tangent
+    return {"out": out, "tangent": tangent_out, "dual": dual_tangent, "direction": direction}
+
+
+@pytest.mark.parametrize("mesh", ["fsdp", "ddp"])
+def test_jvp_over_shards_matches_one_process(mesh):
+    """Law: forward mode (`torch.func.jvp`, `torch.autograd.forward_ad`) of a sharded call
+    w.r.t. the state's shards, along a random direction in shard space, equals the plain
+    model's jvp w.r.t. its full parameters along that direction gathered. Regression: the
+    shards carried a tangent but no grad, so the call gathered them outside autograd and
+    the tangent came out zero (None under forward_ad), silently."""
+    results = testing.run(functools.partial(_shard_jvp, mesh), world_size=WORLD[mesh])
+    model, params = _reference()
+    x, _ = _global_batch(1)
+    direction = results[0]["direction"]
+    for r in results[1:]:
+        _assert_close(r["direction"], direction, "the direction, the same on every rank")
+
+    def plain(p):
+        return functional_call(model, p, (x,))
+
+    primals = {k: p.detach() for k, p in params.items()}
+    out, tangent_out = torch.func.jvp(plain, (primals,), ({k: direction[k] for k in primals},))
+    for rank, r in enumerate(results):
+        _assert_close(r["out"], _local(out, mesh, rank), f"rank {rank} jvp primal")
+        _assert_close(r["tangent"], _local(tangent_out, mesh, rank), f"rank {rank} jvp tangent")
+        _assert_close(r["dual"], _local(tangent_out, mesh, rank), f"rank {rank} forward_ad")
 
 
 # --- 7. What torch.func cannot do on a state, said clearly ---------------------------------

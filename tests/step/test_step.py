@@ -53,8 +53,11 @@ def test_one_step_communicates_exactly_the_formula_and_the_same_on_every_rank(
     traces = testing.run(functools.partial(_one_step_trace, mesh_kwargs, reshard), world_size=world)
     assert all(t == traces[0] for t in traces), "ranks issued different collectives"
     # the last is the non-finite verdict: one flag per buffer and the loss's, one word of
-    # unused parameters (up to 62 a word), then the collectives' trail (checksum, count)
-    assert traces[0][-1] == ("all_gather", world, 4 + 1 + 1 + 2, torch.int64), traces[0][-1]
+    # unused parameters (up to 62 a word), on a layout's first step one word of parameters
+    # stuck at zero (funcshard/step/_zero_start.py), then the collectives' trail (checksum,
+    # count)
+    verdict = ("all_gather", world, 4 + 1 + 1 + 1 + 2, torch.int64)
+    assert traces[0][-1] == verdict, traces[0][-1]
     counts = {}
     for op, *_ in traces[0][:-1]:
         counts[op] = counts.get(op, 0) + 1
