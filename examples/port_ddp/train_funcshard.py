@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = tinygpt.parser(__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["fsdp", "replicate"], default="fsdp")
     args = parser.parse_args(argv)
-    mesh = fs.Mesh.from_env()  # torchrun's ranks, or one process under plain python
-    rank, world = torch.distributed.get_rank(), mesh.size
+    # torchrun's ranks, or one process under plain python; shard=1: DDP's mesh of replicas
+    mesh = fs.Mesh.from_env(shard=1 if args.mode == "replicate" else None)
+    rank, world = mesh.rank, mesh.size
     resume = bool(
         args.resume and args.out_dir and os.path.exists(os.path.join(args.out_dir, "LATEST"))
     )
@@ -63,7 +64,6 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)  # the same initial weights on every rank, as under DDP
     model = tinygpt.GPT(tinygpt.GPTConfig(**model_args))
     if args.mode == "replicate":  # DDP's layout: whole parameters on every rank
-        mesh = fs.Mesh(replicate=mesh.size, timeout=mesh.timeout)
         state = fs.replicate(model, mesh)
     else:  # FSDP's: each rank keeps a shard of each parameter
         plan = fs.plan(model, policy=fs.policy.module_classes({tinygpt.Block}))

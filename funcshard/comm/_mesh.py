@@ -171,9 +171,18 @@ class Mesh:
 
     @classmethod
     def from_env(
-        cls, device_type: str | None = None, timeout: timedelta | float | None = None
+        cls,
+        device_type: str | None = None,
+        timeout: timedelta | float | None = None,
+        *,
+        shard: int | None = None,
     ) -> Mesh:
         """Shard over every rank that torchrun started, initializing torch.distributed if needed.
+
+        `shard` sizes the shard axis and the replicate axis takes the rest: None (the
+        default) shards over every rank (FSDP), `shard=1` replicates on every rank (DDP:
+        `fs.replicate`'s mesh), `shard=8` on 16 ranks is HSDP 2x8. It must divide the world
+        size (ValueError, the same on every rank, otherwise).
 
         Run without a launcher (`python train.py`: none of RANK, WORLD_SIZE, LOCAL_RANK,
         MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID set), it makes a world of one process
@@ -198,7 +207,15 @@ class Mesh:
                 launch.init_alone(backend, timeout)
             else:
                 launch.init_from_env(backend, timeout)
-        return cls(shard=dist.get_world_size(), device_type=device_type, timeout=timeout)
+        world = dist.get_world_size()
+        size = world if shard is None else shard
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1 or world % size:
+            raise ValueError(
+                f"{where}: shard must be a positive int dividing the world size {world} (or "
+                f"None: shard over every rank), got {shard!r}. shard=1 replicates (DDP); "
+                f"shard=S on R*S ranks is HSDP with R replicas."
+            )
+        return cls(replicate=world // size, shard=size, device_type=device_type, timeout=timeout)
 
     @classmethod
     def from_device_mesh(
@@ -264,6 +281,12 @@ class Mesh:
     def replicate_size(self) -> int:
         """Number of replicas of each shard."""
         return self.replicate
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the mesh, 0 to `size - 1` (replicas outer, shards inner):
+        which part of the global batch it reads, as DDP scripts use `dist.get_rank()`."""
+        return self.replicate_rank * self.shard + self.shard_rank
 
     @functools.cached_property
     def shard_rank(self) -> int:

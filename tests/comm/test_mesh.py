@@ -141,6 +141,29 @@ def test_from_env_under_torchrun_shards_over_all_ranks():
     assert "rank 1: shard 1/2 cpu sum 3" in out.stdout
 
 
+def _from_env_axes(rank: int) -> dict:
+    out = {}
+    for shard in (None, 1, 2):
+        mesh = fs.Mesh.from_env(shard=shard)
+        out[shard] = (mesh.replicate, mesh.shard, mesh.rank)
+    try:
+        fs.Mesh.from_env(shard=3)
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+def test_from_env_takes_the_shard_axis_size_and_each_rank_knows_its_place():
+    """`from_env(shard=1)` is DDP's mesh, the default FSDP's; `mesh.rank` is the rank's
+    place in the mesh (a DDP script's `dist.get_rank()`); a size not dividing the world is
+    refused on every rank alike."""
+    results = testing.run(_from_env_axes, world_size=2)
+    for rank, out in enumerate(results):
+        assert out[None] == (1, 2, rank) and out[1] == (2, 1, rank) and out[2] == (1, 2, rank)
+        assert "dividing the world size 2" in out["bad"] and "got 3" in out["bad"]
+    assert results[0]["bad"] == results[1]["bad"]
+
+
 def _settings_stay_with_their_mesh(rank: int) -> tuple[bool, bool, bool]:
     from funcshard.comm import _collective_checks as collective_checks
 
