@@ -216,9 +216,15 @@ def _frozen_apart(members: list, unit: Unit) -> list[tuple[list, bool]]:
     ones and then the frozen ones, each only if there are any."""
     if not unit.frozen_apart:
         return [(members, unit.frozen)]
-    trainable = [m for m in members if m[0] not in unit.frozen_fqns]
-    frozen = [m for m in members if m[0] in unit.frozen_fqns]
-    return [(group, apart) for group, apart in ((trainable, False), (frozen, True)) if group]
+    return trainable_then_frozen(members, frozenset(unit.frozen_fqns))
+
+
+def trainable_then_frozen(members: list, frozen: frozenset[str]) -> list[tuple[list, bool]]:
+    """Members `(fqn, ...)` of one dtype as frozen="split" lays them out: the trainable ones,
+    then the frozen ones, each a group (with whether it is frozen) only if there are any."""
+    trainable = [m for m in members if m[0] not in frozen]
+    still = [m for m in members if m[0] in frozen]
+    return [(group, apart) for group, apart in ((trainable, False), (still, True)) if group]
 
 
 def layout_of(plan: Plan, mesh: Mesh | None, shard_size: int | None = None) -> Layout:

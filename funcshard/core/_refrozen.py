@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from funcshard.core._layout import FlatLayout, Layout
+from funcshard.core._layout import FlatLayout, Layout, trainable_then_frozen
 
 
 def frozen_of(layout: Layout) -> frozenset[str]:
@@ -58,20 +58,18 @@ def _split(
     out = []
     for dtype in dtypes:
         of_dtype = [(f, s) for f, s, d in members if d == dtype]
-        for still in (False, True):
-            group = [(f, s) for f, s in of_dtype if (f in frozen) == still]
-            if group:
-                out.append(
-                    FlatLayout(
-                        unit=template.unit,
-                        dtype=dtype,
-                        fqns=tuple(f for f, _ in group),
-                        shapes=tuple(s for _, s in group),
-                        shard_size=template.shard_size,
-                        mp=template.mp,
-                        frozen=still,
-                    )
+        for group, still in trainable_then_frozen(of_dtype, frozen):
+            out.append(
+                FlatLayout(
+                    unit=template.unit,
+                    dtype=dtype,
+                    fqns=tuple(f for f, _ in group),
+                    shapes=tuple(s for _, s in group),
+                    shard_size=template.shard_size,
+                    mp=template.mp,
+                    frozen=still,
                 )
+            )
     return out
 
 

@@ -37,6 +37,7 @@ from torch import Tensor
 from funcshard.core._groups import GroupView
 from funcshard.core._state import ShardedGrads, ShardedState
 from funcshard.optim._segments import segments
+from funcshard.step import _usage as usage
 
 
 def unused_of(grads: Any) -> frozenset[str]:
@@ -68,15 +69,7 @@ def idle(grads: Any, params: Any) -> list[bool | Tensor] | None:
 def param_names(params: Any) -> list[str]:
     """Every trainable parameter's FQN, in leaf order (what `skipped_steps` keys)."""
     if isinstance(params, ShardedState):
-        layout = params.layout
-        flats = [
-            f
-            for flat in layout.flats
-            if not flat.frozen
-            for f in flat.fqns
-            if f not in flat.frozen_fqns
-        ]
-        return [*flats, *layout.replicated_trainable]
+        return list(usage.tracked(params.layout))  # the parameters usage is said of
     if isinstance(params, GroupView | Mapping):
         return [f for fqns in segments(params).fqns for f in fqns]
     raise TypeError(
