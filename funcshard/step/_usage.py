@@ -164,6 +164,18 @@ def words_of(layout: Layout, unused: frozenset[str]) -> list[int]:
     return words
 
 
+def agreed(layout: Layout, every: Tensor, width: int, offset: int, n: int) -> frozenset[str]:
+    """The tracked parameters whose bit is set in every rank's `n` words (at `offset` of each
+    rank's row of `width` in `every`, as an all-gather delivered them): one host read."""
+    values = every.tolist()
+    rows = [values[i + offset : i + offset + n] for i in range(0, len(values), width)]
+    words = [functools.reduce(operator.and_, column) for column in zip(*rows, strict=True)]
+    if not any(words):  # (the usual step: nothing to decode)
+        return frozenset()
+    names = tracked(layout)
+    return frozenset(name for k, name in enumerate(names) if words[k // BITS] >> (k % BITS) & 1)
+
+
 class Usage:
     """Which parameters no rank used in the step that made a gradient record: this rank's
     own set, and once the words crossed the mesh, every rank's (read lazily)."""
@@ -193,20 +205,8 @@ class Usage:
         elif self._every is None:
             return self.local
         else:
-            values = self._every.tolist()
             n = len(self.words())
-            rows = [
-                values[i + self._offset : i + self._offset + n]
-                for i in range(0, len(values), self._width)
-            ]
-            words = [functools.reduce(operator.and_, column) for column in zip(*rows, strict=True)]
-            if not any(words):  # every parameter used somewhere: the usual step
-                self._agreed = frozenset()
-                return self._agreed
-            names = tracked(self.layout)
-            self._agreed = frozenset(
-                name for k, name in enumerate(names) if words[k // BITS] >> (k % BITS) & 1
-            )
+            self._agreed = agreed(self.layout, self._every, self._width, self._offset, n)
         return self._agreed
 
     def merged(self, other: Usage | None) -> Usage:

@@ -90,18 +90,8 @@ def warn(grads: ShardedGrads, where: str) -> None:
     if verdict is None:  # (a verdict's check raised instead)
         return
     at, n = verdict.extra
-    every = verdict._every.tolist()
-    width = verdict.width()
-    rows = [every[i + at : i + at + n] for i in range(0, len(every), width)]
-    agreed = [_and(column) for column in zip(*rows, strict=True)]
-    if not any(agreed):
-        return
-    names = usage.tracked(grads.layout)
-    stuck = [
-        name
-        for k, name in enumerate(names)
-        if agreed[k // usage.BITS] >> (k % usage.BITS) & 1 and name not in grads.unused
-    ]
+    everywhere = usage.agreed(grads.layout, verdict._every, verdict.width(), at, n)
+    stuck = [name for name in usage.tracked(grads.layout) if name in everywhere - grads.unused]
     if stuck:
         warnings.warn(
             f"{where}: the trainable parameters {format_names(stuck)} started all zero and "
@@ -114,13 +104,6 @@ def warn(grads: ShardedGrads, where: str) -> None:
             StuckAtZeroWarning,
             stacklevel=4,
         )
-
-
-def _and(column: tuple[int, ...]) -> int:
-    out = -1
-    for word in column:
-        out &= word
-    return out
 
 
 def _zeros(layout: Layout, leaves: list[Tensor] | list[Tensor | None]) -> frozenset[str]:
