@@ -434,7 +434,8 @@ def _read(directory: str, state: ShardedState, opt_state: Any, per_rank: Any) ->
     for key in [k for k in routed if k not in saved and checkpoint_match.migrated(k)]:
         kept.append(rank_values.base_key(key))  # an older format's: like's values stay
         del routed[key]
-    numbers = set(scalars) if meta.get("scalars") is not None else set()
+    # every number like holds is asked for, so one the checkpoint never held is named missing
+    numbers = set(like_scalars) if meta.get("scalars") is not None else set()
     report = (sorted({rank_values.base_key(k) for k in routed} | set(kept) | numbers),
               problems, checkpoint_match.shape_problems(saved, routed))  # fmt: skip
     checkpoint_match.agree_on_keys(

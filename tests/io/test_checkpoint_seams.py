@@ -46,6 +46,14 @@ class Hyper(NamedTuple):
     per_rank: float
 
 
+class HyperPlus(NamedTuple):  # a like with a number the checkpoint never held
+    step: int
+    scale: float
+    warm: bool
+    per_rank: float
+    momentum: float
+
+
 def _opt_state(state, rank: int, like: bool = False):
     """AdamW's state plus what differs across ranks: a counter, residuals, a number."""
     base = fs.optim.adamw(1e-3).init(state)
@@ -65,7 +73,14 @@ def _save_per_rank(path: str, rank: int) -> dict:
     opt_state = _opt_state(state, rank)
     checkpoint.save(path, state, opt_state, step=3, extra={"position": 100 + rank})
     _, loaded, step, extra = checkpoint.load(path, like=(state, _opt_state(state, rank, True)))
-    return {"saved": opt_state, "loaded": loaded, "extra": extra, "step": step}
+    wider = {**_opt_state(state, rank, True), "hyper": HyperPlus(0, 1.0, False, 0.0, 0.9)}
+    try:
+        checkpoint.load(path, like=(state, wider))
+        missing_number = None
+    except ValueError as e:
+        missing_number = str(e)
+    return {"saved": opt_state, "loaded": loaded, "extra": extra, "step": step,
+            "missing_number": missing_number}  # fmt: skip
 
 
 def _load_elsewhere(path: str, per_rank, rank: int):
@@ -99,6 +114,14 @@ def test_python_numbers_in_the_optimizer_state_round_trip(per_rank_saved):
     for rank, r in enumerate(results):
         assert r["loaded"]["hyper"] == Hyper(7, 0.0078125, True, 0.5 + rank)
         assert type(r["loaded"]["hyper"].step) is int and r["step"] == 3
+
+
+def test_a_number_the_checkpoint_never_held_is_refused_by_name(per_rank_saved):
+    """Before: like's 0.9 stayed, silently, as if it had been loaded."""
+    _, results = per_rank_saved
+    for r in results:
+        assert r["missing_number"] is not None and "momentum" in r["missing_number"]
+        assert "missing" in r["missing_number"]
 
 
 def test_extra_that_differs_across_ranks_comes_back_to_each_rank(per_rank_saved):
