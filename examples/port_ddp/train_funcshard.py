@@ -53,9 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     # torchrun's ranks, or one process under plain python; shard=1: DDP's mesh of replicas
     mesh = fs.Mesh.from_env(shard=1 if args.mode == "replicate" else None)
     rank, world = mesh.rank, mesh.size
-    resume = bool(
-        args.resume and args.out_dir and os.path.exists(os.path.join(args.out_dir, "LATEST"))
-    )
+    resume = bool(args.resume and args.out_dir and fs.checkpoint.exists(args.out_dir))
 
     model_args, start = tinygpt.model_args(args), 0
     if resume:  # the settings first, from the checkpoint, in any one process

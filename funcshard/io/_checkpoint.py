@@ -51,6 +51,7 @@ from funcshard.io._checkpoint_dir import CheckpointConflict as CheckpointConflic
 from funcshard.io._checkpoint_export import export_state_dict as export_state_dict
 from funcshard.io._checkpoint_latest import META, open_checkpoint, previous_hint
 from funcshard.io._checkpoint_latest import CheckpointRetired as CheckpointRetired
+from funcshard.io._checkpoint_offline import exists as exists
 from funcshard.io._checkpoint_offline import read_meta as read_meta
 from funcshard.io._checkpoint_verify import verified
 from funcshard.io._checkpoint_verify import verify as verify
@@ -69,6 +70,7 @@ __all__ = [
     "CheckpointDiskFull",
     "CheckpointRetired",
     "Report",
+    "exists",
     "export_state_dict",
     "load",
     "load_hf",

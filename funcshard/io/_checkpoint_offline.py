@@ -1,6 +1,6 @@
 """Reading a checkpoint in one process, with no mesh, no model and no process group:
-`read_meta` (its step and `extra`, say to build the model from settings kept there), and
-which directory a path names, or what else it is.
+`read_meta` (its step and `extra`, say to build the model from settings kept there),
+`exists` (is there one to resume from), and which directory a path names, or what else it is.
 
 [Note: reading a checkpoint offline]
 `load` is collective: the mesh's first rank resolves LATEST and leases the checkpoint for
@@ -80,6 +80,22 @@ def _saved_ranks(meta: dict) -> int:
 def _meta(directory: str) -> dict:
     with open(os.path.join(directory, META)) as f:
         return json.load(f)
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether `path` names a complete checkpoint that `load` would read: a checkpoint
+    directory, or a directory whose LATEST names one. A script's "resume if there is one".
+
+    False where `path` does not exist or holds no checkpoint yet (no LATEST); a file, or a
+    LATEST naming a damaged checkpoint, raises as `load` would. No mesh, no collective.
+    """
+    if os.path.isfile(path):
+        resolve(path, "exists")  # raises, saying what the file is
+    try:
+        resolve(path, "exists")
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
 
 
 def resolve(path: str | os.PathLike, caller: str) -> str:

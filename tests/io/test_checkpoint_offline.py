@@ -109,6 +109,11 @@ def test_read_meta_and_export_in_one_process(tmp_path, capsys):
         fs.checkpoint.export_state_dict(str(plain), str(tmp_path / "x.pt"))
     with pytest.raises(ValueError, match="is a file"):
         fs.checkpoint.read_meta(out)
+    # exists: a resume check; False where nothing was saved yet, a file raises as load would
+    assert fs.checkpoint.exists(path) and not fs.checkpoint.exists(tmp_path / "never")
+    assert not fs.checkpoint.exists(plain)
+    with pytest.raises(ValueError, match="is a file"):
+        fs.checkpoint.exists(out)
     assert not os.path.exists(tmp_path / "x.pt")
 
     # the CLI: funcshard checkpoint export PATH OUT [--overwrite]
