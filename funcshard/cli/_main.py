@@ -7,7 +7,7 @@ sharded training run, check a checkpoint.
   funcshard check MODULE:FACTORY --batch MODULE:FACTORY [--loss MODULE:FN] [--quick]
   funcshard demo [--nproc 2] [--steps 300] [--mode fsdp|hsdp|replicate]
   funcshard checkpoint verify PATH
-  funcshard checkpoint export PATH OUT [--overwrite] [--model MODULE:FACTORY]
+  funcshard checkpoint export PATH OUT [--overwrite] [--under KEY] [--model MODULE:FACTORY]
 
 Run `funcshard COMMAND --help` for a command's options.
 """
@@ -162,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     exporter.add_argument("out", help="the file to write, e.g. ckpt.pt")
     exporter.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     exporter.add_argument(
+        "--under",
+        metavar="KEY",
+        help="write {KEY: state_dict, **extra} (the save's extra beside it), e.g. --under model "
+        "for nanoGPT's sample.py",
+    )
+    exporter.add_argument(
         "--model",
         metavar="MODULE:FACTORY",
         help="the model's builder (called on the meta device), for checkpoints saved before "
@@ -205,7 +211,7 @@ def _export_command(args: argparse.Namespace) -> int:
             model = load(args.model, "checkpoint export")()
     try:
         out = checkpoint.export_state_dict(
-            args.path, args.out, model=model, overwrite=args.overwrite
+            args.path, args.out, model=model, overwrite=args.overwrite, under=args.under
         )
     except FileExistsError as e:
         print(str(e).replace("overwrite=True (CLI: --overwrite)", "--overwrite"), file=sys.stderr)

@@ -18,6 +18,9 @@ its `state_dict()` keys, parameter shapes and shared parameters say the same thi
 Values saved per rank (a replicated parameter that differed, HSDP replicas that diverged)
 export as the first rank's, as `full_state_dict` gives them. The file is written beside
 `out` and moved onto it with `os.replace`, so a failed export leaves no half file.
+`under="model"` writes `{"model": state_dict, **extra}` instead, the layout nanoGPT's
+sample.py reads (its `model_args` kept in `extra` at save): `extra` must then be one dict,
+the same on every saving rank, with no key named `under`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from funcshard.io import _dcp as dcp
 from funcshard.io import _integrity as integrity
 from funcshard.io import _rank_values as rank_values
 from funcshard.io._checkpoint_latest import META
-from funcshard.io._checkpoint_offline import resolve
+from funcshard.io._checkpoint_offline import read_meta, resolve
 from funcshard.io._checkpoint_verify import verify as verify_checkpoint
 
 _WHERE = "funcshard.checkpoint.export_state_dict"
@@ -46,6 +49,7 @@ def export_state_dict(
     model: nn.Module | None = None,
     overwrite: bool = False,
     verify: bool = True,
+    under: str | None = None,
 ) -> str:
     """Write the full `model.state_dict()` a checkpoint holds to `out` with `torch.save`, in
     this process alone (no mesh, no process group); returns `out`.
@@ -55,7 +59,9 @@ def export_state_dict(
     CPU, tied weights one tensor under each of their names. The optimizer state is left
     out. An existing `out` is refused unless `overwrite=True`. With `verify` (the default)
     every byte is first checked against the save's checksums. `model=` (optional) supplies
-    keys, shapes and ties for a checkpoint saved before funcshard recorded them. See
+    keys, shapes and ties for a checkpoint saved before funcshard recorded them.
+    `under="model"` writes `{"model": state_dict, **extra}` (the save's `extra` dict beside
+    it, as nanoGPT's `ckpt.pt` holds `model` and `model_args`). See
     [Note: exporting a checkpoint].
     """
     target = os.fspath(out)
@@ -72,17 +78,36 @@ def export_state_dict(
     directory = resolve(path, "export_state_dict")
     if verify:
         _check(directory)
-    state_dict = read_state_dict(directory, model)
+    written: Any = read_state_dict(directory, model)
+    if under is not None:
+        written = {under: written, **_extra_beside(directory, under)}
     folder = os.path.dirname(os.path.abspath(target))
     os.makedirs(folder, exist_ok=True)
     partial = os.path.join(folder, f".{os.path.basename(target)}.partial")
     try:
-        torch.save(state_dict, partial)
+        torch.save(written, partial)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.remove(partial)
     return target
+
+
+def _extra_beside(directory: str, under: str) -> dict[str, Any]:
+    """The save's `extra`, to write beside the state dict under `under`; refused, naming
+    why, where it cannot sit there."""
+    try:
+        _, extra = read_meta(directory)
+    except ValueError as e:
+        raise ValueError(f"{_WHERE}: under={under!r} writes extra beside the model, but {e}") from e
+    extra = {} if extra is None else extra
+    if not isinstance(extra, dict) or under in extra:
+        what = f"holds a key {under!r}" if isinstance(extra, dict) else "is not a dict"
+        raise ValueError(
+            f"{_WHERE}: under={under!r} writes the save's extra beside the model, but its "
+            f"extra {what}. Pass another under=, or export the bare state dict (under=None)."
+        )
+    return extra
 
 
 def _check(directory: str) -> None:

@@ -54,6 +54,7 @@ def _save(path: str, rank: int) -> dict:
         "shared": [torch.arange(4.0) * 1.25, "kept"],  # the same on every rank: once
     }
     fs.checkpoint.save(path, state, step=7, extra=extra)
+    fs.checkpoint.save(path + "-shared", state, step=7, extra={"model_args": {"n_embd": 6}})
     out["extra"] = extra
     out["full"] = fs.full_state_dict(state)
     _, _, step, loaded = fs.checkpoint.load(path, like=(state, None))
@@ -98,6 +99,17 @@ def test_read_meta_and_export_in_one_process(tmp_path, capsys):
     fresh.load_state_dict(exported, strict=True)
     assert fresh.head.weight is fresh.wte.weight and torch.equal(fresh.scale, full["scale"])
 
+    # under=: nanoGPT's ckpt.pt layout, the save's extra beside the state dict
+    nano = str(tmp_path / "nano.pt")
+    fs.checkpoint.export_state_dict(path + "-shared", nano, under="model")
+    wrapped = torch.load(nano, weights_only=True)
+    assert list(wrapped) == ["model", "model_args"] and wrapped["model_args"] == {"n_embd": 6}
+    assert all(torch.equal(wrapped["model"][k], v) for k, v in full.items())
+    with pytest.raises(ValueError, match="holds a key 'model_args'"):
+        fs.checkpoint.export_state_dict(path + "-shared", nano, under="model_args", overwrite=True)
+    with pytest.raises(ValueError, match="under='model'.*rank="):  # extra differs per rank
+        fs.checkpoint.export_state_dict(path, nano, under="model", overwrite=True)
+
     # bad input: an existing output, a directory that is no funcshard checkpoint
     with pytest.raises(FileExistsError, match="overwrite=True"):
         fs.checkpoint.export_state_dict(path, out)
@@ -123,6 +135,9 @@ def test_read_meta_and_export_in_one_process(tmp_path, capsys):
     assert main(["checkpoint", "export", path, cli_out]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert main(["checkpoint", "export", path, cli_out, "--overwrite"]) == 0
+    assert main(["checkpoint", "export", path + "-shared", cli_out, "--overwrite",
+                 "--under", "model"]) == 0  # fmt: skip
+    assert torch.load(cli_out, weights_only=True)["model_args"] == {"n_embd": 6}
     assert main(["checkpoint", "export", str(plain), str(tmp_path / "y.pt")]) == 2
 
     # a checkpoint saved before funcshard.json recorded shapes and ties: export with model=
