@@ -107,7 +107,7 @@ def test_read_meta_and_export_in_one_process(tmp_path, capsys):
     assert all(torch.equal(wrapped["model"][k], v) for k, v in full.items())
     with pytest.raises(ValueError, match="holds a key 'model_args'"):
         fs.checkpoint.export_state_dict(path + "-shared", nano, under="model_args", overwrite=True)
-    with pytest.raises(ValueError, match="under='model'.*rank="):  # extra differs per rank
+    with pytest.raises(ValueError, match=r"under='model'.*rank="):  # extra differs per rank
         fs.checkpoint.export_state_dict(path, nano, under="model", overwrite=True)
 
     # bad input: an existing output, a directory that is no funcshard checkpoint
