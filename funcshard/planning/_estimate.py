@@ -47,6 +47,7 @@ counts in a real 2-rank step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,12 +59,14 @@ from torch import Tensor, nn
 
 from funcshard.comm._mesh import Mesh
 from funcshard.core._binding import bind
-from funcshard.core._layout import FlatLayout, Layout, layout_of
+from funcshard.core._layout import Layout, layout_of
 from funcshard.core._plan import Plan
 from funcshard.core._precision import MixedPrecision, gather_dtype, reduce_dtype
 from funcshard.optim._base import Optimizer
 from funcshard.optim._kernels import adamw
 from funcshard.planning import _dryrun as dryrun
+from funcshard.planning import _meta_state as meta_state
+from funcshard.planning import _replicas
 from funcshard.planning._attention_kernels import Target
 from funcshard.planning._dryrun import Phases
 from funcshard.planning._metabytes import MetaBytes
@@ -167,7 +170,7 @@ class Estimate:
 
 
 def estimate(
-    plan: Plan,
+    plan: Plan | None,
     mesh: Mesh | int | tuple[int, int],
     shard: int | None = None,
     param_dtype: torch.dtype | None = None,
@@ -185,12 +188,13 @@ def estimate(
     device: str | None = None,
     capability: tuple[int, int] = (9, 0),
     attention: str | None = None,
+    replicate: bool = False,
 ) -> Estimate:
     """Estimate one training step of `plan` on a mesh, per rank (see [Note: what the
     estimate counts]).
 
     Args:
-        plan: from `funcshard.plan`.
+        plan: from `funcshard.plan`; None with `replicate=True` (see there).
         mesh: a `Mesh`, a world size (sharded over every rank), or `(replicate, shard)`.
             `estimate(plan, replicate, shard, param_dtype)` is the older spelling.
         mp: the `MixedPrecision` the state is sharded with.
@@ -222,10 +226,25 @@ def estimate(
             can run.
         attention: "flash", "efficient", "cudnn" or "math" to name the attention kernel
             instead of torch's choice (None).
+        replicate: the state is `funcshard.replicate(model, mesh)`'s (DDP): every rank
+            holds every parameter, in `replicate`'s gradient buckets of `model` (with
+            `plan=None`; or pass a plan of buckets, `fs.plan(model, policy=
+            fs.policy.buckets(...))`), not resharded after forward. `mesh` is then the
+            number of replicas, or a Mesh or (replicate, shard) whose shard axis is 1:
+            `estimate(None, 2, replicate=True, model=model, loss_fn=..., args=...)`.
+            See [Note: estimating a replicate state] in funcshard/planning/_replicas.py.
 
     Communicates: nothing; nothing is allocated (the dry run uses the meta device).
     """
-    replicate, shard = _sizes(mesh, shard)
+    if replicate:
+        plan, mesh = _replicas.replicated(plan, mesh, model)
+        reshard_after_forward = False
+    elif not isinstance(plan, Plan):
+        raise TypeError(
+            f"funcshard.estimate: plan must be a funcshard.Plan (or None with "
+            f"replicate=True, for funcshard.replicate's state), got {type(plan).__name__}."
+        )
+    replicas, shard = _sizes(mesh, shard)
     if param_dtype is not None:
         if mp is not None:
             raise ValueError("funcshard.estimate: pass mp= or param_dtype, not both.")
@@ -241,7 +260,7 @@ def estimate(
     names = _names(plan)
     last = next((n for n in reversed(names) if n), None)  # forward's last unit: not regathered
     units = tuple(
-        _unit(layout, name, replicate, shard, mp, optimizer, regathered=name not in ("", last))
+        _unit(layout, name, replicas, shard, mp, optimizer, regathered=name not in ("", last))
         for name in names
     )
     if loss_fn is not None:
@@ -250,8 +269,8 @@ def estimate(
             reshard_after_forward, prefetch, loop, target,
         )  # fmt: skip
         assert model is not None  # checked above: loss_fn needs the model
-        phases = dryrun.run_step(model, layout, replicate, shard, spec)
-        return Estimate(units, replicate, shard, phases, True, _checks(layout, replicate, shard))
+        phases = dryrun.run_step(model, layout, replicas, shard, spec)
+        return Estimate(units, replicas, shard, phases, True, _checks(layout, replicas, shard))
     whole = bind(model, layout).whole_call if model is not None else None
     names = _names(plan)
     whole_units = {names[i] for i in whole} if whole is not None else {""}
@@ -259,9 +278,9 @@ def estimate(
     phases = _walk(
         units, whole_units, layout, optimizer, donate, loop,
         reshard=reshard_after_forward is not False and copies, prefetch=prefetch,
-        copies=copies, shard=shard,
+        copies=copies, sizes=(replicas, shard),
     )  # fmt: skip
-    return Estimate(units, replicate, shard, phases, checks=_checks(layout, replicate, shard))
+    return Estimate(units, replicas, shard, phases, checks=_checks(layout, replicas, shard))
 
 
 def _checks(layout: Any, replicate: int, shard: int) -> int:
@@ -332,22 +351,22 @@ def _unit(
         chunk += flat.shard_numel * reduced
         sent += (shard - 1) * flat.shard_numel * reduced  # reduce-scatter
         sent += 2 * (replicate - 1) * flat.shard_numel * reduced // replicate  # all-reduce
-    state = _optimizer_state_bytes(flats, optimizer)
+    state = _optimizer_state_bytes(layout, name, (replicate, shard), optimizer)
     return UnitEstimate(
         name, params, grads, state, gathered, sent, full_grad, reduced_copy, in_flight, chunk
     )
 
 
-def _optimizer_state_bytes(flats: list[FlatLayout], optimizer: Optimizer) -> int:
-    """What `optimizer.init` makes for these shards, counted on the meta device."""
-    shards = {
-        str(i): torch.empty(f.shard_numel, dtype=f.dtype, device="meta")
-        for i, f in enumerate(flats)
-        if not f.frozen
-    }
-    if not shards:
+def _optimizer_state_bytes(
+    layout: Layout, name: str, sizes: tuple[int, int], optimizer: Optimizer
+) -> int:
+    """What `optimizer.init` makes for unit `name`'s shards, on a meta state of that unit
+    alone (see [Note: the optimizer on a meta state])."""
+    flats = tuple(f for f in layout.flats if f.unit == name)
+    if all(f.frozen for f in flats):
         return 0
-    leaves = optree.tree_leaves(optimizer.init(shards))
+    state = meta_state.plan_state(dataclasses.replace(layout, flats=flats), sizes)
+    leaves = optree.tree_leaves(optimizer.init(state))
     return sum(
         t.numel() * t.element_size()
         for t in leaves
@@ -365,10 +384,11 @@ def _walk(
     reshard: bool,
     prefetch: bool,
     copies: bool,
-    shard: int,
+    sizes: tuple[int, int],
 ) -> Phases:
     """Each phase's peak by arithmetic, unit by unit, in the order a step runs them (the
     mechanism of [Note: dry run] without the model's own tensors)."""
+    shard = sizes[1]
     held = sum(u.params + u.optimizer for u in units)
     if loop and not donate:  # the previous step's gradients and updates (see `carried`)
         held += 2 * sum(u.grads for u in units)
@@ -403,15 +423,17 @@ def _walk(
             flight = u.in_flight if shard > 1 else 0
         if not mine:
             pending -= u.full_grad
-    return Phases(forward, backward, _optimizer_phase(layout, optimizer, donate, loop))
+    return Phases(forward, backward, _optimizer_phase(layout, sizes, optimizer, donate, loop))
 
 
-def _optimizer_phase(layout: Layout, optimizer: Optimizer, donate: bool, loop: bool) -> int:
-    """The optimizer phase's peak, run on meta shards (see `dryrun.optimizer_phase`)."""
+def _optimizer_phase(
+    layout: Layout, sizes: tuple[int, int], optimizer: Optimizer, donate: bool, loop: bool
+) -> int:
+    """The optimizer phase's peak, run on a meta state (see `dryrun.optimizer_phase`)."""
     with MetaBytes() as live:
-        shards = [torch.empty(f.shard_numel, dtype=f.dtype, device="meta") for f in layout.flats]
-        trainable = {str(i): s for i, s in enumerate(shards) if not layout.flats[i].frozen}
-        held = dryrun.carried(trainable, optimizer, donate, loop)
-        held["grads"] = {k: torch.empty_like(v) for k, v in trainable.items()}
+        state = meta_state.plan_state(layout, sizes)
+        held = dryrun.carried(state, optimizer, donate, loop)
+        held["grads"] = meta_state.grads_like(state)
+        del state
         live.restart_peak()  # the previous step's gradients were dropped in backward
         return dryrun.optimizer_phase(live, held, optimizer, donate, loop)
