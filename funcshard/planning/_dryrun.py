@@ -22,8 +22,10 @@ after forward]):
   the previous reduce's input (one reduce in flight, as
   `funcshard.step._deferred_reduce._Throttle` keeps);
 - the optimizer's `update` and `apply_updates` (or `step`, donating) run on the meta shards,
-  and what the caller's variables stop holding is dropped where they would drop it (in a
-  loop, the previous step's gradients and updates; see `carried`).
+  as the ShardedState and ShardedGrads a step passes (see [Note: the optimizer on a meta
+  state] in funcshard/planning/_meta_state.py), and what the caller's variables stop
+  holding is dropped where they would drop it (in a loop, the previous step's gradients and
+  updates; see `carried`).
 
 `funcshard.planning._meta_step.MetaStep` does the parameters' part, `funcshard.planning._metabytes`
 the counting, `funcshard.planning._attention_kernels` the attention kernel the target device would

@@ -7,7 +7,7 @@
 [Note: what the estimate counts]
 Per unit and rank, by arithmetic on the plan: the parameter shard (in the parameter dtype,
 padded to the shard size), its gradient shard, the optimizer state (what `optimizer.init`
-makes for that shard, on the meta device: AdamW's two moments by default), the full unit
+makes for the unit's shards on a meta state: AdamW's two moments by default), the full unit
 while gathered (in the mixed-precision param dtype), its full gradient, and the bytes the
 rank sends per step with ring collectives: an all-gather or reduce-scatter over S ranks
 sends (S - 1) shards, an all-reduce over R replicas 2 (R - 1) / R of the shard.
@@ -28,9 +28,13 @@ optimizer state, it counts what the step makes on the way:
   head's backward to the embedding's; with a tied embedding its two partial gradients and
   their sum are alive at once, so the end of backward holds the root three to four times
   over (this was missing: the planner's peak was 21% under a measured step);
-- the optimizer's update: without `donate`, new moments and an update per shard, then
-  `apply_updates`' new parameters, while the old ones are held (AdamW: 8x the parameter
-  shards); `donate=True` (`opt.step`) updates in place;
+- the optimizer's update: its own `update` and `apply_updates` (or `step`), run on a
+  `ShardedState` of meta shards whose mesh's collectives only allocate their results (see
+  [Note: the optimizer on a meta state] in funcshard/planning/_meta_state.py), so what any
+  optimizer makes is counted as it makes it: without `donate`, AdamW's new moments and
+  updates, then the new parameters while the old ones are held (8x the parameter shards);
+  a decay mask, `partition`'s packed groups, `whole_params`' exchanges with the owners,
+  clipping's norm; `donate=True` (`opt.step`) updates in place;
 - with `loop=True` (the default: README's training loop), the previous step's gradients
   and updates, which the loop's variables hold until this step returns new ones (unless
   `opt.step` donated them);
@@ -38,6 +42,10 @@ optimizer state, it counts what the step makes on the way:
   step's code allocates, by running it once on the meta device (see [Note: dry run] in
   funcshard/planning/_dryrun.py). Without it backward is walked unit by unit by arithmetic and
   activations are left out (the table says so).
+
+A `funcshard.replicate` state is the same step on a mesh whose shard axis is 1, in DDP's
+buckets: `replicate=True` (see [Note: estimating a replicate state] in
+funcshard/planning/_replicas.py).
 
 Not counted: the batch itself, allocator caching and fragmentation, buffers inside the
 collective libraries. With the step given, the peak of the three models of
@@ -207,8 +215,10 @@ def estimate(
         loss_fn: the step's loss function (see `model`).
         args: its positional arguments after `params` (see `model`).
         kwargs: its keyword arguments (see `model`).
-        optimizer: a `funcshard.optim` optimizer (default AdamW); `donate=True` if the step
-            uses `optimizer.step` (in place) rather than `update` and `apply_updates`.
+        optimizer: a `funcshard.optim` optimizer or your own (default AdamW); its `init`
+            and `update` run on a meta state, so what it keeps and makes is counted as it
+            does it. `donate=True` if the step uses `optimizer.step` (in place) rather than
+            `update` and `apply_updates`.
         reshard_after_forward: as given to `funcshard.shard`.
         prefetch: as given to `funcshard.value_and_grad`.
         loop: the step runs in a loop like README's (`loss, grads = ...` and `updates,
