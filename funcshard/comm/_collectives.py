@@ -15,7 +15,8 @@ A size-1 group communicates nothing: gathering or reducing over it returns the i
 is how one code path serves FSDP (shard axis > 1), DDP (shard axis 1) and HSDP. The
 test-only switch `communicate_alone()` sends them through the process group anyway, so that
 NCCL at world size 1 runs real kernels on the collective streams (see [Note: collectives
-on their own streams] in comm/_streams.py).
+on their own streams] in comm/_streams.py). Over a `MetaGroup` (the estimate's dry run) each
+returns a new meta tensor of its result's size (see [Note: collectives on a meta group]).
 """
 
 from __future__ import annotations

@@ -8,10 +8,12 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import funcshard as fs
 from funcshard import testing
+from funcshard.comm import _process_groups as process_groups
 from funcshard.testing.memory import LiveTensors
 from funcshard.testing.models import GPT, Block, GPTConfig
 
@@ -77,11 +79,18 @@ def _loop_peak(name: str, cfg: GPTConfig, ddp: bool, rank: int) -> int:
 
 
 def _measured(rank: int) -> dict:
-    return {
+    peaks = {
         (name, cfg, ddp): _loop_peak(name, cfg, ddp, rank)
         for name, cfg in CASES
         for ddp in (False, True)
     }
+    # an estimate made on a rank of a real job sends nothing on its groups
+    before = process_groups.issued_count(dist.group.WORLD)
+    model = _model(SMALL)
+    fs.estimate(_plan(model), 2, model=model, optimizer=_muon())
+    fs.estimate(None, 2, replicate=True, model=model, optimizer=_clipped())
+    peaks["issued"] = process_groups.issued_count(dist.group.WORLD) - before
+    return peaks
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +107,12 @@ def _estimated(name: str, cfg: GPTConfig, ddp: bool) -> fs.Estimate:
     if ddp:
         return fs.estimate(None, 2, replicate=True, optimizer=opt, **step)
     return fs.estimate(_plan(model), 2, optimizer=opt, **step)
+
+
+def test_an_estimate_on_a_rank_of_a_job_communicates_nothing(measured):
+    """Muon's exchanges with owners and clipping's all-reduce go to the dry run's MetaGroups
+    (see [Note: collectives on a meta group]), not to the job's process groups."""
+    assert measured["issued"] == 0
 
 
 @pytest.mark.parametrize("ddp", [False, True], ids=["fsdp2", "ddp2"])
