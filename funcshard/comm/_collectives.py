@@ -15,7 +15,8 @@ A size-1 group communicates nothing: gathering or reducing over it returns the i
 is how one code path serves FSDP (shard axis > 1), DDP (shard axis 1) and HSDP. The
 test-only switch `communicate_alone()` sends them through the process group anyway, so that
 NCCL at world size 1 runs real kernels on the collective streams (see [Note: collectives
-on their own streams] in comm/_streams.py).
+on their own streams] in comm/_streams.py). Over a `MetaGroup` (the estimate's dry run) each
+returns a new meta tensor of its result's size (see [Note: collectives on a meta group]).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from funcshard.comm import _collective_checks as collective_checks
 from funcshard.comm import _exchange as exchange
 from funcshard.comm import _failures as failures
 from funcshard.comm import _fp16_mean as fp16_mean
+from funcshard.comm import _meta_groups as meta_groups
 from funcshard.comm import _progress as progress
 from funcshard.comm import _streams as streams
 from funcshard.comm import _trail as trail
@@ -182,8 +184,8 @@ def all_gather(shard: Tensor, group: ProcessGroup, what: str | None = None) -> P
 
     `what` (e.g. the unit's name) only labels the error if the collective fails.
     """
-    if alone(group):
-        return Pending(shard, done=True)
+    if alone(group) or meta_groups.is_meta(group):
+        return Pending(meta_groups.result("all_gather", shard, group), done=True)
     _before("all_gather", group, shard, what)
     return _gathering(shard, group, "all_gather", what)
 
@@ -217,8 +219,8 @@ def reduce_scatter(
     never written); otherwise gloo's exchange reads a copy, so the caller may write `flat`
     at once, as after any other collective's issue.
     """
-    if alone(group):
-        return Pending(flat, done=True)
+    if alone(group) or meta_groups.is_meta(group):
+        return Pending(meta_groups.result("reduce_scatter", flat, group), done=True)
     _before("reduce_scatter", group, flat, what)
     eager = _eager(flat)
     divided, op, post = fp16_mean.divided(flat, op, group.size(), owned)
@@ -306,8 +308,8 @@ def all_reduce(
     `inplace=True` reduces into `tensor` itself (the caller owns it and reads it only after
     `wait()`), saving an output buffer of the same size.
     """
-    if alone(group):
-        return Pending(tensor, done=True)
+    if alone(group) or meta_groups.is_meta(group):
+        return Pending(tensor if inplace else meta_groups.result("-", tensor, group), done=True)
     _before("all_reduce", group, tensor, what)
     divided, op, post = fp16_mean.divided(tensor, op, group.size(), owned=inplace)
     inplace, tensor = inplace or divided is not tensor, divided  # (a divided copy is ours)
@@ -325,8 +327,8 @@ def all_reduce(
 def all_to_all(tensor: Tensor, group: ProcessGroup, what: str | None = None) -> Pending:
     """Split `tensor` along dim 0 into group-size equal chunks; chunk j goes to rank j, and
     the result holds every rank's chunk for this rank, in rank order (same shape)."""
-    if alone(group):
-        return Pending(tensor, done=True)
+    if alone(group) or meta_groups.is_meta(group):
+        return Pending(meta_groups.result("all_to_all", tensor, group), done=True)
     _before("all_to_all", group, tensor, what)
     if _eager(tensor):
         out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
@@ -352,8 +354,8 @@ def all_to_all_v(
     order. Sizes differ by rank, so it is recorded and compared across ranks as an even
     all-to-all of the group's mean buffer, `total // size`, where `total` (the elements the
     whole group sends) is what every rank derives from one shared plan."""
-    if alone(group):
-        return Pending(tensor, done=True)
+    if alone(group) or meta_groups.is_meta(group):
+        return Pending(meta_groups.result("all_to_all", tensor, group, sum(receive)), done=True)
     _before("all_to_all", group, tensor, what, agreed=total // group.size())
     if _eager(tensor):
         out = tensor.new_empty(sum(receive))
@@ -456,8 +458,8 @@ def _agree(
 
 def broadcast(tensor: Tensor, group: ProcessGroup, src_rank: int) -> Tensor:
     """Return `tensor` as held by global rank `src_rank` (the input is not written)."""
-    if alone(group):
-        return tensor
+    if alone(group) or meta_groups.is_meta(group):
+        return meta_groups.result("broadcast", tensor, group)
     out = tensor.detach().clone()
     dist.broadcast(out, src=src_rank, group=group)
     return out

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from funcshard.comm import _meta_groups as meta_groups
+
 
 def global_rank() -> int:
     """This process's rank in the default group (0 when there is none)."""
@@ -28,5 +30,5 @@ def group_ranks(group: ProcessGroup) -> list[int]:
 
 
 def group_rank(group: ProcessGroup) -> int:
-    """This process's rank within `group`."""
-    return dist.get_rank(group)
+    """This process's rank within `group` (a dry run's MetaGroup: 0)."""
+    return group.rank() if meta_groups.is_meta(group) else dist.get_rank(group)

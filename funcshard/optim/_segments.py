@@ -29,6 +29,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from funcshard.comm import _collectives as collectives
 from funcshard.core._groups import GroupView
@@ -83,7 +84,7 @@ class Segments:
         mask's or a label's predicate is given."""
         return tuple(
             tuple(
-                (f, torch.empty(s, dtype=leaf.dtype, device="meta"))
+                (f, _placeholder(s, leaf.dtype))
                 for f, s in zip(leaf.fqns, leaf.shapes, strict=True)
             )
             for leaf in self._leaves
@@ -215,6 +216,14 @@ def segments(params: Any) -> Segments:
         f"funcshard.optim.segments: params must be a ShardedState, ShardedGrads or a dict of "
         f"tensors, got {type(params).__name__}."
     )
+
+
+def _placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A meta tensor standing for a parameter: it holds nothing, so it is made outside any
+    dispatch mode, where `funcshard.estimate`'s dry run (which counts the meta tensors a
+    step makes, see funcshard/planning/_metabytes.py) does not take it for memory."""
+    with _disable_current_modes():
+        return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _replicated_meta(params: ShardedState | ShardedGrads | GroupView) -> tuple:

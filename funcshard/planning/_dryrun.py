@@ -22,8 +22,10 @@ after forward]):
   the previous reduce's input (one reduce in flight, as
   `funcshard.step._deferred_reduce._Throttle` keeps);
 - the optimizer's `update` and `apply_updates` (or `step`, donating) run on the meta shards,
-  and what the caller's variables stop holding is dropped where they would drop it (in a
-  loop, the previous step's gradients and updates; see `carried`).
+  as the ShardedState and ShardedGrads a step passes (see [Note: the optimizer on a meta
+  state] in funcshard/planning/_meta_state.py), and what the caller's variables stop
+  holding is dropped where they would drop it (in a loop, the previous step's gradients and
+  updates; see `carried`).
 
 `funcshard.planning._meta_step.MetaStep` does the parameters' part, `funcshard.planning._metabytes`
 the counting, `funcshard.planning._attention_kernels` the attention kernel the target device would
@@ -75,10 +77,12 @@ from torch import Tensor, nn
 from funcshard.core._binding import bind, restore_snapshot, snapshot_slots
 from funcshard.core._layout import Layout
 from funcshard.core._precision import MixedPrecision
+from funcshard.core._state import ShardedState
 from funcshard.optim._base import Optimizer
 from funcshard.optim._params import apply_updates
 from funcshard.planning._attention_kernels import DeviceKernels, Target
 from funcshard.planning._meta_predicates import PlainBatch
+from funcshard.planning._meta_state import grads_like, meta_state
 from funcshard.planning._meta_step import MetaStep
 from funcshard.planning._metabytes import MetaBytes
 
@@ -124,7 +128,11 @@ def run_step(
                 spec.prefetch,
             )  # fmt: skip
             params = {**placeholders, **step.replicated}
-            held = carried(step.optimized(), spec.optimizer, spec.donate, spec.loop)
+            state = meta_state(
+                layout, (replicate, shard), [t.detach() for t in step.shards],
+                {f: t.detach() for f, t in step.replicated.items()}, spec.mp,
+            )  # fmt: skip
+            held = carried(state, spec.optimizer, spec.donate, spec.loop)
             handles = step.install_hooks(model)
             try:
                 with (
@@ -151,11 +159,14 @@ def run_step(
                 grads = torch.autograd.grad(loss, step.leaves(), allow_unused=True)
             del loss
             step.finish()
-            held["grads"] = {  # `loss, grads = ...` drops the previous step's
-                k: torch.zeros_like(p) if g is None else g  # an unused parameter's: zero
-                for (k, p), g in zip(held["params"].items(), grads, strict=True)
-            }
-            del grads
+            held["grads"] = grads_like(  # `loss, grads = ...` drops the previous step's
+                state,
+                [  # an unused parameter's: zero
+                    torch.zeros_like(p) if g is None else g
+                    for p, g in zip(step.leaves(), grads, strict=True)
+                ],
+            )
+            del grads, state
             backward = live.restart_peak()
             optimizer = optimizer_phase(live, held, spec.optimizer, spec.donate, spec.loop)
     finally:
@@ -163,16 +174,15 @@ def run_step(
     return Phases(forward, backward, optimizer)
 
 
-def carried(
-    params: dict[str, Tensor], optimizer: Optimizer, donate: bool, loop: bool
-) -> dict[str, Any]:
+def carried(params: ShardedState, optimizer: Optimizer, donate: bool, loop: bool) -> dict[str, Any]:
     """What is alive when a step starts: the parameters and the optimizer state, and in a
     loop the previous step's gradients and updates, which the loop's variables hold until
-    this step returns new ones (`Optimizer.step` donates the gradients: they are gone)."""
+    this step returns new ones (`Optimizer.step` donates the gradients: they are gone).
+    `params` is a meta state (see [Note: the optimizer on a meta state])."""
     held: dict[str, Any] = {"params": params, "opt_state": optimizer.init(params)}
     if loop and not donate:
-        held["grads"] = {k: torch.empty_like(p) for k, p in params.items()}
-        held["updates"] = {k: torch.empty_like(p) for k, p in params.items()}
+        held["grads"] = grads_like(params)
+        held["updates"] = grads_like(params)
     return held
 
 

@@ -7,7 +7,7 @@
 [Note: what the estimate counts]
 Per unit and rank, by arithmetic on the plan: the parameter shard (in the parameter dtype,
 padded to the shard size), its gradient shard, the optimizer state (what `optimizer.init`
-makes for that shard, on the meta device: AdamW's two moments by default), the full unit
+makes for the unit's shards on a meta state: AdamW's two moments by default), the full unit
 while gathered (in the mixed-precision param dtype), its full gradient, and the bytes the
 rank sends per step with ring collectives: an all-gather or reduce-scatter over S ranks
 sends (S - 1) shards, an all-reduce over R replicas 2 (R - 1) / R of the shard.
@@ -28,9 +28,13 @@ optimizer state, it counts what the step makes on the way:
   head's backward to the embedding's; with a tied embedding its two partial gradients and
   their sum are alive at once, so the end of backward holds the root three to four times
   over (this was missing: the planner's peak was 21% under a measured step);
-- the optimizer's update: without `donate`, new moments and an update per shard, then
-  `apply_updates`' new parameters, while the old ones are held (AdamW: 8x the parameter
-  shards); `donate=True` (`opt.step`) updates in place;
+- the optimizer's update: its own `update` and `apply_updates` (or `step`), run on a
+  `ShardedState` of meta shards whose mesh's collectives only allocate their results (see
+  [Note: the optimizer on a meta state] in funcshard/planning/_meta_state.py), so what any
+  optimizer makes is counted as it makes it: without `donate`, AdamW's new moments and
+  updates, then the new parameters while the old ones are held (8x the parameter shards);
+  a decay mask, `partition`'s packed groups, `whole_params`' exchanges with the owners,
+  clipping's norm; `donate=True` (`opt.step`) updates in place;
 - with `loop=True` (the default: README's training loop), the previous step's gradients
   and updates, which the loop's variables hold until this step returns new ones (unless
   `opt.step` donated them);
@@ -38,6 +42,10 @@ optimizer state, it counts what the step makes on the way:
   step's code allocates, by running it once on the meta device (see [Note: dry run] in
   funcshard/planning/_dryrun.py). Without it backward is walked unit by unit by arithmetic and
   activations are left out (the table says so).
+
+A `funcshard.replicate` state is the same step on a mesh whose shard axis is 1, in DDP's
+buckets: `replicate=True` (see [Note: estimating a replicate state] in
+funcshard/planning/_replicas.py).
 
 Not counted: the batch itself, allocator caching and fragmentation, buffers inside the
 collective libraries. With the step given, the peak of the three models of
@@ -47,6 +55,7 @@ counts in a real 2-rank step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,12 +67,14 @@ from torch import Tensor, nn
 
 from funcshard.comm._mesh import Mesh
 from funcshard.core._binding import bind
-from funcshard.core._layout import FlatLayout, Layout, layout_of
+from funcshard.core._layout import Layout, layout_of
 from funcshard.core._plan import Plan
 from funcshard.core._precision import MixedPrecision, gather_dtype, reduce_dtype
 from funcshard.optim._base import Optimizer
 from funcshard.optim._kernels import adamw
 from funcshard.planning import _dryrun as dryrun
+from funcshard.planning import _meta_state as meta_state
+from funcshard.planning import _replicas
 from funcshard.planning._attention_kernels import Target
 from funcshard.planning._dryrun import Phases
 from funcshard.planning._metabytes import MetaBytes
@@ -167,7 +178,7 @@ class Estimate:
 
 
 def estimate(
-    plan: Plan,
+    plan: Plan | None,
     mesh: Mesh | int | tuple[int, int],
     shard: int | None = None,
     param_dtype: torch.dtype | None = None,
@@ -185,12 +196,13 @@ def estimate(
     device: str | None = None,
     capability: tuple[int, int] = (9, 0),
     attention: str | None = None,
+    replicate: bool = False,
 ) -> Estimate:
     """Estimate one training step of `plan` on a mesh, per rank (see [Note: what the
     estimate counts]).
 
     Args:
-        plan: from `funcshard.plan`.
+        plan: from `funcshard.plan`; None with `replicate=True` (see there).
         mesh: a `Mesh`, a world size (sharded over every rank), or `(replicate, shard)`.
             `estimate(plan, replicate, shard, param_dtype)` is the older spelling.
         mp: the `MixedPrecision` the state is sharded with.
@@ -203,8 +215,10 @@ def estimate(
         loss_fn: the step's loss function (see `model`).
         args: its positional arguments after `params` (see `model`).
         kwargs: its keyword arguments (see `model`).
-        optimizer: a `funcshard.optim` optimizer (default AdamW); `donate=True` if the step
-            uses `optimizer.step` (in place) rather than `update` and `apply_updates`.
+        optimizer: a `funcshard.optim` optimizer or your own (default AdamW); its `init`
+            and `update` run on a meta state, so what it keeps and makes is counted as it
+            does it. `donate=True` if the step uses `optimizer.step` (in place) rather than
+            `update` and `apply_updates`.
         reshard_after_forward: as given to `funcshard.shard`.
         prefetch: as given to `funcshard.value_and_grad`.
         loop: the step runs in a loop like README's (`loss, grads = ...` and `updates,
@@ -222,10 +236,25 @@ def estimate(
             can run.
         attention: "flash", "efficient", "cudnn" or "math" to name the attention kernel
             instead of torch's choice (None).
+        replicate: the state is `funcshard.replicate(model, mesh)`'s (DDP): every rank
+            holds every parameter, in `replicate`'s gradient buckets of `model` (with
+            `plan=None`; or pass a plan of buckets, `fs.plan(model, policy=
+            fs.policy.buckets(...))`), not resharded after forward. `mesh` is then the
+            number of replicas, or a Mesh or (replicate, shard) whose shard axis is 1:
+            `estimate(None, 2, replicate=True, model=model, loss_fn=..., args=...)`.
+            See [Note: estimating a replicate state] in funcshard/planning/_replicas.py.
 
     Communicates: nothing; nothing is allocated (the dry run uses the meta device).
     """
-    replicate, shard = _sizes(mesh, shard)
+    if replicate:
+        plan, mesh = _replicas.replicated(plan, mesh, model)
+        reshard_after_forward = False
+    elif not isinstance(plan, Plan):
+        raise TypeError(
+            f"funcshard.estimate: plan must be a funcshard.Plan (or None with "
+            f"replicate=True, for funcshard.replicate's state), got {type(plan).__name__}."
+        )
+    replicas, shard = _sizes(mesh, shard)
     if param_dtype is not None:
         if mp is not None:
             raise ValueError("funcshard.estimate: pass mp= or param_dtype, not both.")
@@ -241,7 +270,7 @@ def estimate(
     names = _names(plan)
     last = next((n for n in reversed(names) if n), None)  # forward's last unit: not regathered
     units = tuple(
-        _unit(layout, name, replicate, shard, mp, optimizer, regathered=name not in ("", last))
+        _unit(layout, name, replicas, shard, mp, optimizer, regathered=name not in ("", last))
         for name in names
     )
     if loss_fn is not None:
@@ -250,8 +279,8 @@ def estimate(
             reshard_after_forward, prefetch, loop, target,
         )  # fmt: skip
         assert model is not None  # checked above: loss_fn needs the model
-        phases = dryrun.run_step(model, layout, replicate, shard, spec)
-        return Estimate(units, replicate, shard, phases, True, _checks(layout, replicate, shard))
+        phases = dryrun.run_step(model, layout, replicas, shard, spec)
+        return Estimate(units, replicas, shard, phases, True, _checks(layout, replicas, shard))
     whole = bind(model, layout).whole_call if model is not None else None
     names = _names(plan)
     whole_units = {names[i] for i in whole} if whole is not None else {""}
@@ -259,9 +288,9 @@ def estimate(
     phases = _walk(
         units, whole_units, layout, optimizer, donate, loop,
         reshard=reshard_after_forward is not False and copies, prefetch=prefetch,
-        copies=copies, shard=shard,
+        copies=copies, sizes=(replicas, shard),
     )  # fmt: skip
-    return Estimate(units, replicate, shard, phases, checks=_checks(layout, replicate, shard))
+    return Estimate(units, replicas, shard, phases, checks=_checks(layout, replicas, shard))
 
 
 def _checks(layout: Any, replicate: int, shard: int) -> int:
@@ -332,22 +361,22 @@ def _unit(
         chunk += flat.shard_numel * reduced
         sent += (shard - 1) * flat.shard_numel * reduced  # reduce-scatter
         sent += 2 * (replicate - 1) * flat.shard_numel * reduced // replicate  # all-reduce
-    state = _optimizer_state_bytes(flats, optimizer)
+    state = _optimizer_state_bytes(layout, name, (replicate, shard), optimizer)
     return UnitEstimate(
         name, params, grads, state, gathered, sent, full_grad, reduced_copy, in_flight, chunk
     )
 
 
-def _optimizer_state_bytes(flats: list[FlatLayout], optimizer: Optimizer) -> int:
-    """What `optimizer.init` makes for these shards, counted on the meta device."""
-    shards = {
-        str(i): torch.empty(f.shard_numel, dtype=f.dtype, device="meta")
-        for i, f in enumerate(flats)
-        if not f.frozen
-    }
-    if not shards:
+def _optimizer_state_bytes(
+    layout: Layout, name: str, sizes: tuple[int, int], optimizer: Optimizer
+) -> int:
+    """What `optimizer.init` makes for unit `name`'s shards, on a meta state of that unit
+    alone (see [Note: the optimizer on a meta state])."""
+    flats = tuple(f for f in layout.flats if f.unit == name)
+    if all(f.frozen for f in flats):
         return 0
-    leaves = optree.tree_leaves(optimizer.init(shards))
+    state = meta_state.plan_state(dataclasses.replace(layout, flats=flats), sizes)
+    leaves = optree.tree_leaves(optimizer.init(state))
     return sum(
         t.numel() * t.element_size()
         for t in leaves
@@ -365,10 +394,11 @@ def _walk(
     reshard: bool,
     prefetch: bool,
     copies: bool,
-    shard: int,
+    sizes: tuple[int, int],
 ) -> Phases:
     """Each phase's peak by arithmetic, unit by unit, in the order a step runs them (the
     mechanism of [Note: dry run] without the model's own tensors)."""
+    shard = sizes[1]
     held = sum(u.params + u.optimizer for u in units)
     if loop and not donate:  # the previous step's gradients and updates (see `carried`)
         held += 2 * sum(u.grads for u in units)
@@ -403,15 +433,17 @@ def _walk(
             flight = u.in_flight if shard > 1 else 0
         if not mine:
             pending -= u.full_grad
-    return Phases(forward, backward, _optimizer_phase(layout, optimizer, donate, loop))
+    return Phases(forward, backward, _optimizer_phase(layout, sizes, optimizer, donate, loop))
 
 
-def _optimizer_phase(layout: Layout, optimizer: Optimizer, donate: bool, loop: bool) -> int:
-    """The optimizer phase's peak, run on meta shards (see `dryrun.optimizer_phase`)."""
+def _optimizer_phase(
+    layout: Layout, sizes: tuple[int, int], optimizer: Optimizer, donate: bool, loop: bool
+) -> int:
+    """The optimizer phase's peak, run on a meta state (see `dryrun.optimizer_phase`)."""
     with MetaBytes() as live:
-        shards = [torch.empty(f.shard_numel, dtype=f.dtype, device="meta") for f in layout.flats]
-        trainable = {str(i): s for i, s in enumerate(shards) if not layout.flats[i].frozen}
-        held = dryrun.carried(trainable, optimizer, donate, loop)
-        held["grads"] = {k: torch.empty_like(v) for k, v in trainable.items()}
+        state = meta_state.plan_state(layout, sizes)
+        held = dryrun.carried(state, optimizer, donate, loop)
+        held["grads"] = meta_state.grads_like(state)
+        del state
         live.restart_peak()  # the previous step's gradients were dropped in backward
         return dryrun.optimizer_phase(live, held, optimizer, donate, loop)
