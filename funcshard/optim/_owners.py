@@ -306,7 +306,15 @@ def _exchange(
     device = flat[0].device if flat else torch.device("cpu")
     buffer = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
     result = collectives.all_to_all_v(buffer, send_sizes, receives, group, total, what).wait()
+    if buffer.device.type == "cpu" and not _same_storage(buffer, result):  # (one rank: itself)
+        # freed now: gloo's worker thread may hold its input a moment after the wait returns,
+        # which kept the buffer alive beside the next one, more often the busier the machine
+        buffer.untyped_storage().resize_(0)
     return list(result.split(receives))
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _by_dtype(items, dtype_of) -> list[tuple[torch.dtype, list]]:
