@@ -34,6 +34,7 @@ between placements and world sizes like any other layout change.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -87,6 +88,18 @@ def check_bound(name: str, fqns: tuple[str, ...], numels: tuple[int, ...], shard
                 f"placement='even' (plan(..., placement={{unit: 'even'}})), or put more "
                 f"parameters in its unit."
             )
+
+
+def fits(unit: Any, shard_size: int) -> bool:
+    """Whether `unit` (a plan's Unit) may be owned over `shard_size` ranks: every parameter
+    within the bound of its dtype's buffer (see [Note: owned placement])."""
+    for dtype in unit.dtypes:
+        numels = [
+            math.prod(s) for s, d in zip(unit.shapes, unit.param_dtypes, strict=True) if d == dtype
+        ]
+        if max(numels, default=0) > 2 * -(-sum(numels) // shard_size):
+            return False
+    return True
 
 
 def resolved(model: nn.Module, units: Any, placement: Placement | None) -> dict[str, str]:
