@@ -77,15 +77,20 @@ class Unit:
         return self.options.placement
 
     def bytes_per_rank(self, world_size: int) -> int:
-        """Bytes each rank holds when the unit is sharded evenly (padded) over `world_size`."""
+        """Bytes each rank holds when the unit is sharded over `world_size` ranks, padding
+        included: evenly, or (owned) as much as the most loaded rank."""
         total = 0
         for dtype in self.dtypes:
-            numel = sum(
+            numels = tuple(
                 math.prod(s)
                 for s, d in zip(self.shapes, self.param_dtypes, strict=True)
                 if d == dtype
             )
-            total += -(-numel // world_size) * dtype.itemsize
+            shard = -(-sum(numels) // world_size)
+            if self.placement == "owned" and world_size > 1:
+                owners = placement_of.owners(numels, world_size)
+                shard = placement_of.owned_offsets(numels, owners, world_size)[1]
+            total += shard * dtype.itemsize
         return total
 
 

@@ -113,6 +113,12 @@ def test_placement_is_recorded_per_unit_and_refuses_bad_input():
     assert [u.placement for u in called.units] == ["owned", "owned", "even"]
     assert owned.fingerprint() != even.fingerprint() == fs.plan(model, policy=blocks).fingerprint()
     assert "owned" in owned.table()
+    per_rank = {u.name: u.bytes_per_rank(2) for u in owned.units}  # padding included
+    laid_out = layout_of(owned, None, 2)
+    for name, nbytes in per_rank.items():
+        flats = [f for f in laid_out.flats if f.unit == name]
+        assert nbytes == sum(f.shard_numel * f.dtype.itemsize for f in flats)
+    assert per_rank["blocks.0"] > even.units[0].bytes_per_rank(2)
     assert layout_of(owned, None, 1).flats == layout_of(even, None, 1).flats
     assert layout_of(owned, None, 2).flats != layout_of(even, None, 2).flats
     with pytest.raises(ValueError, match=r"must be one of \['even', 'owned'\], got 'rows'"):
