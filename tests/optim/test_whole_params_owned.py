@@ -17,7 +17,8 @@ from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
 STEPS = 3
 LR, MOMENTUM, ADAM_LR, EPS = 0.02, 0.95, 3e-3, 1e-3  # eps: see DESIGN.md §10.4
-MESHES = {"fsdp2": (None, 2), "hsdp2x2": (2, 2)}
+MESHES = {"fsdp2": (None, 2), "hsdp2x2": (2, 2), "fsdp3": (None, 3)}
+WHOLE = {"fsdp2": "muon", "hsdp2x2": "muon", "fsdp3": "lars"}  # whole_params' transform
 
 
 def _config() -> GPTConfig:
@@ -26,6 +27,25 @@ def _config() -> GPTConfig:
 
 def _label(fqn: str, p: torch.Tensor) -> str:
     return "muon" if p.ndim == 2 and fqn.startswith("blocks.") else "adamw"
+
+
+def _lars_label(fqn: str, p: torch.Tensor) -> str:
+    return "lars" if fqn.startswith("blocks.") else "adamw"
+
+
+def lars(lr: float = 0.1, trust: float = 0.01) -> fs.optim.Optimizer:
+    """A user's LARS, written for one process: each step scaled by ||w|| / ||g||."""
+
+    def init(params):
+        return fs.optim.EmptyState()
+
+    def update(grads, state, params):
+        def one(g, w):
+            return -lr * trust * w.norm() / (g.norm() + 1e-8) * g
+
+        return fs.tree_map(one, grads, params), state
+
+    return fs.optim.Optimizer(init, update)
 
 
 def muon_fp32() -> fs.optim.Optimizer:
@@ -45,12 +65,14 @@ def muon_fp32() -> fs.optim.Optimizer:
     return fs.optim.Optimizer(init, update)
 
 
-def _optimizer() -> fs.optim.Optimizer:
-    groups = {
-        "muon": fs.optim.whole_params(muon_fp32()),
-        "adamw": fs.optim.adamw(ADAM_LR, eps=EPS),
-    }
-    return fs.optim.partition(groups, _label)
+def _optimizer(whole: str) -> fs.optim.Optimizer:
+    """`whole` ("muon" or "lars") through whole_params on the blocks, AdamW on the rest."""
+    adamw = fs.optim.adamw(ADAM_LR, eps=EPS)
+    if whole == "lars":
+        return fs.optim.partition(
+            {"lars": fs.optim.whole_params(lars()), "adamw": adamw}, _lars_label
+        )
+    return fs.optim.partition({"muon": fs.optim.whole_params(muon_fp32()), "adamw": adamw}, _label)
 
 
 def _loss(model, params, x, y):
@@ -67,11 +89,11 @@ def _train(mesh: str, placement: str, rank: int) -> dict:
     plan = fs.plan(model, policy=fs.policy.module_classes({Block}), placement={Block: placement})
     mesh_ = fs.Mesh(shard=shard) if replicate is None else fs.Mesh(replicate=replicate, shard=shard)
     state = fs.shard(model, plan, mesh_)
-    opt = _optimizer()
+    opt = _optimizer(WHOLE[mesh])
     opt_state = opt.init(state)
     issued = []
     for step in range(STEPS):
-        x, y = random_tokens(_config(), 8, seed=step)
+        x, y = random_tokens(_config(), 12, seed=step)
         mine = x.chunk(world)[rank], y.chunk(world)[rank]
         _, grads = fs.value_and_grad(functools.partial(_loss, model))(state, *mine)
         with collectives.record() as log:
@@ -102,29 +124,31 @@ def optree_states(opt_state) -> list:
     return optree.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, fs.optim.Owned))
 
 
-def _one_process() -> dict:
+def _one_process(whole: str) -> dict:
     torch.manual_seed(0)
     model = GPT(_config())
     params = fs.extract(model)[0]
-    opt = _optimizer()
+    opt = _optimizer(whole)
     opt_state = opt.init(params)
     for step in range(STEPS):
-        x, y = random_tokens(_config(), 8, seed=step)
+        x, y = random_tokens(_config(), 12, seed=step)
         _, grads = fs.value_and_grad(functools.partial(_loss, model))(params, x, y)
         params, opt_state = opt.step(grads, opt_state, params)
     return dict(params)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_owned_muon_steps_without_collectives_and_equals_one_process(mesh):
-    """An fp32 Muon through whole_params plus AdamW, blocks owned: every opt.step issues no
-    collective, each rank's Muon state holds exactly the matrices its shard owns (each
-    replica repeats them), and the result equals one process to 1e-5. With even blocks the
-    same optimizer exchanges (all-to-alls) and agrees too."""
-    expected = _one_process()
+def test_owned_whole_param_optimizers_step_without_collectives_and_equal_one_process(mesh):
+    """An fp32 Muon (FSDP-2, HSDP 2x2) or a user's LARS (FSDP-3) through whole_params, plus
+    AdamW, blocks owned: every opt.step issues no collective, each rank's Owned state holds
+    exactly the parameters its shard owns (each replica repeats them), and the result equals
+    one process to 1e-5. With even blocks the same optimizer exchanges (all-to-alls) and
+    agrees too."""
+    expected = _one_process(WHOLE[mesh])
     world = MESHES[mesh][1] * (MESHES[mesh][0] or 1)
     owned = testing.run(functools.partial(_train, mesh, "owned"), world_size=world)
-    matrices = {f for f, p in expected.items() if _label(f, p) == "muon"}
+    label = _label if WHOLE[mesh] == "muon" else _lars_label
+    matrices = {f for f, p in expected.items() if label(f, p) == WHOLE[mesh]}
     held: dict[int, set] = {}
     for got in owned:
         assert_trees_close(got["params"], expected, rtol=1e-5, atol=1e-6)
