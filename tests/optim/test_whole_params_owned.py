@@ -17,8 +17,9 @@ from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
 STEPS = 3
 LR, MOMENTUM, ADAM_LR, EPS = 0.02, 0.95, 3e-3, 1e-3  # eps: see DESIGN.md §10.4
-MESHES = {"fsdp2": (None, 2), "hsdp2x2": (2, 2), "fsdp3": (None, 3)}
-WHOLE = {"fsdp2": "muon", "hsdp2x2": "muon", "fsdp3": "lars"}  # whole_params' transform
+MESHES = {"fsdp2": (None, 2), "hsdp2x2": (2, 2), "fsdp3": (None, 3), "fsdp2_bf16": (None, 2)}
+# whole_params' transform: an fp32 Muon, a LARS, fs.optim.muon (torch.optim.Muon's bf16)
+WHOLE = {"fsdp2": "muon", "hsdp2x2": "muon", "fsdp3": "lars", "fsdp2_bf16": "torch_muon"}
 
 
 def _config() -> GPTConfig:
@@ -72,6 +73,8 @@ def _optimizer(whole: str) -> fs.optim.Optimizer:
         return fs.optim.partition(
             {"lars": fs.optim.whole_params(lars()), "adamw": adamw}, _lars_label
         )
+    if whole == "torch_muon":
+        return fs.optim.partition({"muon": fs.optim.muon(LR), "adamw": adamw}, _label)
     return fs.optim.partition({"muon": fs.optim.whole_params(muon_fp32()), "adamw": adamw}, _label)
 
 
@@ -143,12 +146,19 @@ def test_owned_whole_param_optimizers_step_without_collectives_and_equal_one_pro
     AdamW, blocks owned: every opt.step issues no collective, each rank's Owned state holds
     exactly the parameters its shard owns (each replica repeats them), and the result equals
     one process to 1e-5. With even blocks the same optimizer exchanges (all-to-alls) and
-    agrees too."""
-    expected = _one_process(WHOLE[mesh])
+    agrees too. fs.optim.muon (torch.optim.Muon's bf16 Newton-Schulz, whose rounding turns
+    the gradients' fp32 roundoff between a sharded and a one-process run into bf16 steps) is
+    compared with the even placement on the same mesh, whose gradients are the same."""
+    whole = WHOLE[mesh]
     world = MESHES[mesh][1] * (MESHES[mesh][0] or 1)
     owned = testing.run(functools.partial(_train, mesh, "owned"), world_size=world)
-    label = _label if WHOLE[mesh] == "muon" else _lars_label
-    matrices = {f for f, p in expected.items() if label(f, p) == WHOLE[mesh]}
+    if mesh.startswith("fsdp2"):
+        even = testing.run(functools.partial(_train, mesh, "even"), world_size=world)
+    expected = even[0]["params"] if whole == "torch_muon" else _one_process(whole)
+    label = _lars_label if whole == "lars" else _label
+    matrices = {
+        f for f, p in expected.items() if label(f, p) == ("lars" if whole == "lars" else "muon")
+    }
     held: dict[int, set] = {}
     for got in owned:
         assert_trees_close(got["params"], expected, rtol=1e-5, atol=1e-6)
@@ -157,8 +167,7 @@ def test_owned_whole_param_optimizers_step_without_collectives_and_equal_one_pro
         held.setdefault(got["shard_rank"], set()).update(got["keys"])
     assert set().union(*held.values()) == matrices
     assert sum(len(k) for k in held.values()) == len(matrices)  # one owner per shard axis
-    if mesh == "fsdp2":
-        even = testing.run(functools.partial(_train, mesh, "even"), world_size=world)
+    if mesh.startswith("fsdp2"):
         for got in even:
             assert_trees_close(got["params"], expected, rtol=1e-5, atol=1e-6)
             assert all("all_to_all" in " ".join(ops) for ops in got["issued"])
