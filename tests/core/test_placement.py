@@ -1,13 +1,23 @@
 """The owned arrangement of a flat buffer: each parameter whole in its owner's shard, the
 rest zero padding, the same views whichever way a buffer is split."""
 
+import dataclasses
 import math
 
 import hypothesis.strategies as st
 import torch
 from hypothesis import example, given, settings
 
-from funcshard.core._layout import FlatLayout, in_buffer_order, param_views, shard_pieces
+import funcshard as fs
+from funcshard.core._layout import (
+    FlatLayout,
+    in_buffer_order,
+    layout_of,
+    param_views,
+    shard_pieces,
+)
+from funcshard.core._refrozen import refrozen
+from funcshard.testing.models import GPT, Block, GPTConfig
 
 SHAPES = st.lists(
     st.one_of(st.tuples(st.integers(0, 6)), st.tuples(st.integers(1, 5), st.integers(0, 5))),
@@ -50,3 +60,17 @@ def test_owned_buffer_holds_each_parameter_whole_on_its_owner(shapes, shard_size
     assert bool(buffer[zero == 0].eq(0).all())  # what no parameter covers is padding, zero
     for v, a, b in zip(values, strided, split, strict=True):
         assert torch.equal(v, a) and torch.equal(v, b)
+
+
+def test_refreezing_keeps_an_owned_unit_owned():
+    """A unit laid out afresh by refreeze (its frozen set changed) keeps its placement: its
+    trainable and frozen buffers are owned, each parameter whole on one rank."""
+    model = GPT(GPTConfig(n_layer=1))
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block}), placement={Block: "owned"})
+    layout = dataclasses.replace(
+        layout_of(plan, None, 2), state_dict_keys=tuple(model.state_dict())
+    )
+    relaid = refrozen(layout, frozenset({"blocks.0.mlp.fc.weight", "blocks.0.mlp.fc.bias"}))
+    block = [f for f in relaid.flats if f.unit == "blocks.0"]
+    assert [f.frozen for f in block] == [False, True]
+    assert all(f.placement == "owned" and f.owners for f in block)
