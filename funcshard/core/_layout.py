@@ -6,7 +6,10 @@ bias may share a unit, which FSDP2 refuses). A buffer concatenates its parameter
 in plan order, then zero padding up to a multiple of the shard size, so every rank holds
 exactly `shard_numel` elements and collectives need no per-rank sizes. Rank r of the shard
 axis holds elements [r * shard_numel, (r + 1) * shard_numel). A tensor smaller than the
-shard size still gives every rank one element (mostly padding).
+shard size still gives every rank one element (mostly padding). An owned buffer arranges
+its parameters rank by rank instead, with padding at the end of every rank's shard (see
+[Note: owned placement] in funcshard/core/_placement.py); its `segments` list what lies
+where, and code that builds a full buffer goes through `in_buffer_order`.
 
 Everything here is static and hashable: it is the aux data of a ShardedState's pytree.
 """
@@ -16,14 +19,18 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
 from funcshard.comm._mesh import Mesh
+from funcshard.core import _placement as placement_of
 from funcshard.core._plan import Plan, Unit
 from funcshard.core._precision import MixedPrecision
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class FlatLayout:
     # [Note: per-unit options] in funcshard/core/_unit_options.py
     frozen: bool = False
     frozen_fqns: tuple[str, ...] = ()  # frozen members of a trainable buffer (frozen="warn")
+    placement: str = "even"  # its unit's; see [Note: owned placement]
 
     if TYPE_CHECKING:  # set by __post_init__; declared for type checkers only, not fields
         numels: tuple[int, ...] = field(init=False)
@@ -50,6 +58,9 @@ class FlatLayout:
         padded_numel: int = field(init=False)
         split_sizes: tuple[int, ...] = field(init=False)
         strides: tuple[tuple[int, ...], ...] = field(init=False)
+        owners: tuple[int, ...] = field(init=False)
+        segments: tuple[tuple[int, int], ...] = field(init=False)
+        piece_of: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         # Derived sizes, computed once (a layout is immutable): a step reads them per unit,
@@ -57,15 +68,29 @@ class FlatLayout:
         # attributes, not fields (no part of equality or hashing), which dynamo reads as such.
         numels = tuple(math.prod(s) for s in self.shapes)
         numel = sum(numels)
-        shard_numel = -(-numel // self.shard_size)
-        padding = shard_numel * self.shard_size - numel
+        if self.placement == "owned" and self.shard_size > 1:
+            placement_of.check_bound(self.name, self.fqns, numels, self.shard_size)
+            owners = placement_of.owners(numels, self.shard_size)
+            offsets, shard_numel = placement_of.owned_offsets(numels, owners, self.shard_size)
+        else:
+            owners = ()
+            offsets = tuple(itertools.accumulate(numels, initial=0))[:-1]
+            shard_numel = -(-numel // self.shard_size)
+        segments = _segments(numels, offsets, shard_numel * self.shard_size)
+        at = {i: k for k, (_, i) in enumerate(segments)}  # (padding's entries: never read)
         derived = {
             "numels": numels,  # each parameter's
-            "offsets": tuple(itertools.accumulate(numels, initial=0))[:-1],  # starts in the buffer
+            "offsets": offsets,  # starts in the buffer
             "numel": numel,  # elements of real data, without padding
             "shard_numel": shard_numel,  # elements each rank holds: ceil(numel / shard_size)
+            # (owned: the largest rank's load)
             "padded_numel": shard_numel * self.shard_size,
-            "split_sizes": numels + ((padding,) if padding else ()),  # then the padding's
+            "owners": owners,  # owned: each parameter's owner rank; even: ()
+            # (size, parameter index or len(fqns) for padding) in buffer order
+            "segments": segments,
+            "split_sizes": tuple(size for size, _ in segments),
+            # each parameter's index in `segments`
+            "piece_of": tuple(at[i] for i in range(len(numels))),
             "strides": tuple(_contiguous_strides(shape) for shape in self.shapes),
         }
         for name, value in derived.items():
@@ -199,8 +224,32 @@ def param_views(buffer: torch.Tensor, flat: FlatLayout) -> tuple[torch.Tensor, .
                 )
             ]
         )
-    pieces = buffer.split(flat.split_sizes)  # the padding piece, if any, is left out by zip
-    return tuple(p.view(shape) for p, shape in zip(pieces, flat.shapes, strict=False))
+    pieces = buffer.split(flat.split_sizes)
+    return tuple(pieces[k].view(shape) for k, shape in zip(flat.piece_of, flat.shapes, strict=True))
+
+
+def in_buffer_order(flat: FlatLayout, values: Sequence[T], zeros: Callable[[int], T]) -> list[T]:
+    """`values` (one per parameter, in `flat.fqns` order) in buffer order, with `zeros(n)`
+    for each run of n padding elements: the pieces whose concatenation is a full buffer."""
+    n = len(flat.numels)
+    return [values[i] if i < n else zeros(size) for size, i in flat.segments]
+
+
+def _segments(
+    numels: tuple[int, ...], offsets: tuple[int, ...], padded_numel: int
+) -> tuple[tuple[int, int], ...]:
+    """What lies where in a buffer: (size, parameter index, or len(numels) for padding),
+    in buffer order, empty parameters included, padding runs only where nonempty."""
+    out, at = [], 0
+    # (an empty parameter sorts before a nonempty one at its offset)
+    for offset, _, i in sorted((o, numels[i] > 0, i) for i, o in enumerate(offsets)):
+        if offset > at:
+            out.append((offset - at, len(numels)))
+        out.append((numels[i], i))
+        at = offset + numels[i]
+    if padded_numel > at:
+        out.append((padded_numel - at, len(numels)))
+    return tuple(out)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -253,6 +302,7 @@ def layout_of(plan: Plan, mesh: Mesh | None, shard_size: int | None = None) -> L
                         frozen_fqns=()
                         if unit.frozen_apart
                         else tuple(f for f, _ in group if f in unit.frozen_fqns),
+                        placement=unit.placement if shard_size > 1 else "even",
                     )
                 )
     return Layout(

@@ -30,6 +30,7 @@ import torch
 from tabulate import tabulate
 from torch import nn
 
+from funcshard.core import _placement as placement_of
 from funcshard.core import _unit_groups as unit_groups
 from funcshard.core import _unit_methods as unit_methods
 from funcshard.core import _unit_options as unit_options
@@ -70,16 +71,26 @@ class Unit:
         """The unit's own mixed-precision policy (`None`: the state's)."""
         return self.options.mp
 
+    @property
+    def placement(self) -> str:
+        """How its parameters lie over the shard axis: "even" or "owned"."""
+        return self.options.placement
+
     def bytes_per_rank(self, world_size: int) -> int:
-        """Bytes each rank holds when the unit is sharded evenly (padded) over `world_size`."""
+        """Bytes each rank holds when the unit is sharded over `world_size` ranks, padding
+        included: evenly, or (owned) as much as the most loaded rank."""
         total = 0
         for dtype in self.dtypes:
-            numel = sum(
+            numels = tuple(
                 math.prod(s)
                 for s, d in zip(self.shapes, self.param_dtypes, strict=True)
                 if d == dtype
             )
-            total += -(-numel // world_size) * dtype.itemsize
+            shard = -(-sum(numels) // world_size)
+            if self.placement == "owned" and world_size > 1:
+                owners = placement_of.owners(numels, world_size)
+                shard = placement_of.owned_offsets(numels, owners, world_size)[1]
+            total += shard * dtype.itemsize
         return total
 
 
@@ -159,6 +170,8 @@ def _flags(unit: Unit) -> list[str]:
         flags.append("mp " + (",".join(given) or "off"))
     if unit.frozen:
         flags.append("frozen")
+    if unit.placement != "even":
+        flags.append(unit.placement)
     return flags
 
 
@@ -172,6 +185,7 @@ def plan(
     forward_methods: Mapping[str | nn.Module, str | Iterable[str]] | None = None,
     groups: Iterable[Iterable[nn.Module | str] | nn.Module | str] = (),
     mp: Mapping[str | nn.Module | type[nn.Module], MixedPrecision] | None = None,
+    placement: placement_of.Placement | None = None,
 ) -> Plan:
     """Choose the units of `model` (see [Note: choosing units]); the model is not modified.
 
@@ -194,8 +208,12 @@ def plan(
     (FSDP2's `register_fsdp_forward_method`). `mp` gives units a mixed-precision policy of
     their own in place of the state's (`shard(..., mp=...)`), keyed by unit name, module
     (object or FQN) or module class (`{"head": fs.MixedPrecision(param_dtype=torch.float16)}`,
-    FSDP2's per-module `mp_policy`); it does not choose units. Per-unit options are
-    resolved here, once (see [Note: per-unit options]).
+    FSDP2's per-module `mp_policy`); it does not choose units. `placement` is how each
+    unit's parameters lie over the shard axis: "even" (the default, one flat buffer split
+    evenly) or "owned" (each parameter whole on one rank, so `fs.optim.whole_params` needs no
+    collective; see [Note: owned placement]), for every unit, or a mapping keyed as `mp` is,
+    or a callable `Unit -> "even" | "owned"`. Per-unit options are resolved here, once
+    (see [Note: per-unit options]).
     """
     check_module(model, "funcshard.plan")
     methods = unit_methods.resolved(model, forward_methods)
@@ -207,7 +225,8 @@ def plan(
                 f"policy."
             )
         planned = _bucket_plan(model, policy, ignored)
-        return _with_options(model, _with_ignored(model, planned, reduce_ignored), methods, mp)
+        planned = _with_ignored(model, planned, reduce_ignored)
+        return _with_options(model, planned, methods, mp, placement)
     if policy is not None and not callable(policy):
         raise TypeError(
             f"funcshard.plan: policy must be callable (module, fqn, unowned_numel) -> bool or "
@@ -279,7 +298,7 @@ def plan(
         )
     ignored_fqns = tuple(first_fqn[pid] for pid in order if pid in ignored_params)
     planned = _with_ignored(model, Plan(units=tuple(units), ignored=ignored_fqns), reduce_ignored)
-    return _with_options(model, planned, methods, mp)
+    return _with_options(model, planned, methods, mp, placement)
 
 
 def _with_options(
@@ -287,10 +306,11 @@ def _with_options(
     plan: Plan,
     methods: unit_methods.Methods,
     mp: Mapping[str | nn.Module | type[nn.Module], MixedPrecision] | None,
+    placement: placement_of.Placement | None = None,
 ) -> Plan:
     """`plan` with its per-unit options (see [Note: per-unit options]): each unit's methods
-    (of a unit's own module, not the root's) and mixed-precision policy (keep_fp32 units:
-    `MixedPrecision()`, mixed precision off)."""
+    (of a unit's own module, not the root's), mixed-precision policy (keep_fp32 units:
+    `MixedPrecision()`, mixed precision off) and placement."""
     root_hint = "(the root's methods are funcshard.call(..., method=...))"
     by_unit = unit_options.by_unit(
         model, plan.units, methods, "forward_methods", False, False, root_hint, groups=False
@@ -311,7 +331,8 @@ def _with_options(
                 f"no parameters, so nothing would follow it; give the state's (fs.shard(mp=))."
             )
     policies.update({u.name: MixedPrecision() for u in plan.units if u.keep_fp32})
-    return _with_option(plan, "mp", policies)
+    plan = _with_option(plan, "mp", policies)
+    return _with_option(plan, "placement", placement_of.resolved(model, plan.units, placement))
 
 
 def _with_option(plan: Plan, option: str, values: Mapping[str, Any]) -> Plan:

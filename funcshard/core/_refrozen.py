@@ -68,6 +68,7 @@ def _split(
                     shard_size=template.shard_size,
                     mp=template.mp,
                     frozen=still,
+                    placement=template.placement,  # an owned unit stays owned
                 )
             )
     return out
@@ -76,10 +77,11 @@ def _split(
 def same_buffer(a: FlatLayout, b: FlatLayout) -> bool:
     """Whether two flat buffers hold the same parameters at the same places (so a shard of
     one is a shard of the other), whichever of them is frozen."""
-    return (a.unit, a.dtype, a.fqns, a.shapes, a.shard_size) == (
+    return (a.unit, a.dtype, a.fqns, a.shapes, a.shard_size, a.placement) == (
         b.unit,
         b.dtype,
         b.fqns,
         b.shapes,
         b.shard_size,
+        b.placement,
     )

@@ -37,11 +37,14 @@ class UnitOptions:
 
     `methods`: its module's methods besides forward that gather it (see [Note: units called
     through other methods]); `mp`: its own mixed-precision policy, in place of the state's
-    (`None`: the state's; `MixedPrecision()`: none, as `keep_fp32` gives).
+    (`None`: the state's; `MixedPrecision()`: none, as `keep_fp32` gives); `placement`:
+    how its parameters lie over the shard axis, "even" or "owned" (see [Note: owned
+    placement] in funcshard/core/_placement.py).
     """
 
     methods: tuple[str, ...] = ()
     mp: MixedPrecision | None = None
+    placement: str = "even"
 
 
 class Unit(Protocol):

@@ -21,6 +21,14 @@ where FSDP's owners, each computing half of them and exchanging, took 126 ms; an
 sent to the other replica costs less than the math it saves, and each parameter's state
 then lives on one rank of the whole mesh. Leaves that are whole tensors (a dict's values,
 replicated parameters) are computed where they are, on every rank that holds them.
+
+On an owned unit (see [Note: owned placement] in funcshard/core/_placement.py) the layout
+has already put each parameter whole in one shard: its owner here is that shard's rank in
+this rank's replica, it is read and written in place, and nothing is exchanged for it; a
+group whose members are all such issues no collective at all. Each replica then repeats its
+owners' math (an HSDP replica computes what the other computes): kept that simple on
+purpose, since sending updates across replicas is the all-to-all owned units exist to avoid.
+Members of even units in the same group are balanced and exchanged as above.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ class Member:
     owner: int
     local: int = 0  # where this rank's piece starts in this rank's leaf
     read: int = 0  # where `to_owners` reads it: `local`, or its place in the unpacked shard
+    placed: bool = False  # an owned unit's: whole in its owner's shard, never exchanged
 
     def piece(self, rank: int, shard_numel: int) -> tuple[int, int]:
         """`[lo, hi)` of the flattened parameter that rank `rank`'s shard holds."""
@@ -118,15 +127,20 @@ def plan(
         # where this rank's piece is, in the leaf written and in the leaf read
         local = {flat.fqns[p.index]: (p.local, p.at if read_unpacked else p.local) for p in pieces}
         chosen = set(trained)
+        replica = (rank // shard) * shard  # an owned unit's owners: its shards' ranks here
         for i, fqn in enumerate(flat.fqns):
             if fqn in chosen:
                 where = local.get(fqn, (0, 0))
-                found.append((fqn, flat.shapes[i], leaf, flat.offsets[i], flat.numels[i], where))
-    owners = _balanced([f[4] for f in found], size)
+                placed = replica + flat.owners[i] if flat.owners else None
+                found.append(
+                    (fqn, flat.shapes[i], leaf, flat.offsets[i], flat.numels[i], where, placed)
+                )
+    balanced = iter(_balanced([f[4] for f in found if f[6] is None], size))
     members = tuple(
-        Member(fqn, shape, leaf, offset, numel, owner, *where)
-        for (fqn, shape, leaf, offset, numel, where), owner in zip(found, owners, strict=True)
-    )
+        Member(fqn, shape, leaf, offset, numel, next(balanced) if placed is None else placed,
+               *where, placed=placed is not None)
+        for fqn, shape, leaf, offset, numel, where, placed in found
+    )  # fmt: skip
     numels = [0] * (1 + max([f[0] for f in flats] + [leaf for leaf, _ in wholes] + [-1]))
     for leaf, flat, *_ in flats:
         numels[leaf] = flat.shard_numel
@@ -174,7 +188,11 @@ def to_owners(plan: Plan, kinds: Sequence[Sequence[Tensor | None]], group) -> li
             leaf = leaves[whole.leaf]
             assert leaf is not None  # a planned whole is trained: its leaves are present
             out[k][whole.fqn] = leaf
-    entries = [(k, m) for k in range(len(kinds)) for m in plan.members]
+        for m in plan.mine:
+            if m.placed and (held := leaves[m.leaf]) is not None:  # whole in this rank's
+                # own leaf: a view of it, nothing exchanged
+                out[k][m.fqn] = held[m.read : m.read + m.numel].view(m.shape)
+    entries = [(k, m) for k in range(len(kinds)) for m in plan.members if not m.placed]
     for dtype, chosen in _by_dtype(entries, lambda e: kinds[e[0]][e[1].leaf].dtype):
         pieces = _exchange_out(plan, chosen, kinds, dtype, group)
         # a parameter in one piece could be a view of the received buffer, but a view keeps
@@ -204,7 +222,14 @@ def from_owners(
     for whole in plan.wholes:
         if (leaf := like[whole.leaf]) is not None:
             out[whole.leaf] = updates[whole.fqn].to(leaf.dtype)
-    for dtype, chosen in _by_dtype(plan.members, lambda m: like[m.leaf].dtype):
+    for m in plan.mine:
+        if m.placed:  # written in place, nothing exchanged
+            target, shape = out[m.leaf], like[m.leaf]
+            assert shape is not None  # a planned member is trained: its leaf is present
+            target = out[m.leaf] = _zeros(shape) if target is None else target
+            target[m.local : m.local + m.numel] = updates[m.fqn].reshape(-1)
+    exchanged = [m for m in plan.members if not m.placed]
+    for dtype, chosen in _by_dtype(exchanged, lambda m: like[m.leaf].dtype):
         me = plan.rank
         mine = [m for m in chosen if m.owner == me]
         # this rank's own pieces of what it owns are written below, not exchanged

@@ -324,8 +324,9 @@ def _packed_owners(leaf: _Leaf, device: torch.device) -> Tensor:
 def _owners(flat: FlatLayout, shard_rank: int, device: torch.device) -> Tensor:
     """Per element of rank `shard_rank`'s shard of `flat`: the index of the parameter that
     owns it, `len(flat.fqns)` for padding."""
-    counts = torch.tensor([*flat.numels, flat.padded_numel - flat.numel])
-    owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    counts = torch.tensor(flat.split_sizes)
+    index = torch.tensor([i for _, i in flat.segments], dtype=torch.long)
+    owner = torch.repeat_interleave(index, counts)
     start = shard_rank * flat.shard_numel
     return owner[start : start + flat.shard_numel].to(device)
 

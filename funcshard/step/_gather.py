@@ -78,7 +78,7 @@ from torch import Tensor
 from funcshard.comm import _chaos as chaos
 from funcshard.comm import _collectives as collectives
 from funcshard.comm import _streams as streams
-from funcshard.core._layout import param_views
+from funcshard.core._layout import in_buffer_order, param_views
 from funcshard.step import _usage as usage
 from funcshard.step._autograd_apply import apply_function, forward_mode
 from funcshard.step._deferred_reduce import THROTTLE, Deferred
@@ -247,8 +247,7 @@ def _concat(grads: tuple[Tensor | None, ...], spec: GatherSpec) -> Tensor:
         torch.zeros(numel, dtype=dtype, device=device) if g is None else g
         for g, numel in zip(grads, flat.numels, strict=True)
     ]
-    if flat.padded_numel > flat.numel:
-        pieces.append(torch.zeros(flat.padded_numel - flat.numel, dtype=dtype, device=device))
+    pieces = in_buffer_order(flat, pieces, lambda n: torch.zeros(n, dtype=dtype, device=device))
     if torch.compiler.is_dynamo_compiling():
         return torch.cat([p.reshape(-1) for p in pieces])
     if dtype != spec.reduce_dtype and not torch.is_grad_enabled():

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from funcshard.comm import _collectives as collectives
 from funcshard.comm._comm import Comm
-from funcshard.core._layout import FlatLayout, Layout
+from funcshard.core._layout import FlatLayout, Layout, in_buffer_order
 from funcshard.core._precision import reduce_dtype
 from funcshard.core._state import LocalGrads, ShardedGrads, ShardedState
 from funcshard.core._tree import format_names
@@ -224,8 +224,9 @@ def _padded_flat(
         torch.zeros(n, dtype=dtype, device=device) if g is None else g.reshape(-1).to(device, dtype)
         for g, n in zip(grads, flat.numels, strict=True)
     ]
-    pieces.append(torch.zeros(flat.padded_numel - flat.numel, dtype=dtype, device=device))
-    return torch.cat(pieces)
+    return torch.cat(
+        in_buffer_order(flat, pieces, lambda n: torch.zeros(n, dtype=dtype, device=device))
+    )
 
 
 def _check_grads(grads: Mapping[str, Tensor | None], layout: Layout) -> None:

@@ -92,9 +92,10 @@ def shard_as(
     init = check_init(init, where)
     if mp is not None and not isinstance(mp, MixedPrecision):
         raise TypeError(f"{where}: mp must be a MixedPrecision or None, got {mp!r}.")
+    laid_out = layout_of(plan, mesh)  # (refuses an owned unit over its bound: no collective yet)
     _check_same_model_everywhere(model, plan, mesh, where, seed)
     layout = dataclasses.replace(
-        layout_of(plan, mesh),
+        laid_out,
         state_dict_keys=tuple(model.state_dict(keep_vars=True)),
         aliases=tuple(_aliases(model).items()),
     )

@@ -84,7 +84,8 @@ def check(
     activation checkpointing of every other block, each block's first Linear frozen
     (`frozen="split"`), the step compiled by `fs.compile(backend=backend)`, clipping,
     accumulation over 2 micro-batches (where the batch splits), two parameter groups, a
-    warmup schedule and a user `fs.Comm`; an `Axes` picks some, False none. `laws` picks
+    warmup schedule, a user `fs.Comm` and the owned placement (`plan(placement=...)`, each
+    unit within its bound); an `Axes` picks some, False none. `laws` picks
     among `LAWS`.
     `batch_stats` says whether the model normalizes by batch statistics (default: whether it
     holds batch-norm layers): then the reference runs each rank's micro-batch apart. `setup()`

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from funcshard.comm import _failures as failures
 from funcshard.comm._mesh import Mesh
 from funcshard.compiling import _jit as jit
+from funcshard.core import _placement as placement
 from funcshard.core import _policy as policy
 from funcshard.core._plan import plan
 from funcshard.core._precision import MixedPrecision
@@ -117,6 +118,7 @@ class Config:
     groups: bool = False  # two parameter groups (fs.optim.partition)
     schedule: bool = False  # a warmup schedule of the learning rate
     comm: bool = False  # a user fs.Comm does the gathers and reduces
+    owned: bool = False  # placement "owned" for every unit within its bound
 
     @property
     def recipe(self) -> str:
@@ -130,6 +132,7 @@ class Config:
             ("param groups", self.groups),
             ("schedule", self.schedule),
             ("user comm", self.comm),
+            ("owned placement", self.owned),
         ]
         return ", ".join(word for word, on in words if on)
 
@@ -221,7 +224,9 @@ def _shard(case: Case, config: Config, model: nn.Module, mesh: Mesh) -> ShardedS
             model, mesh, bucket_mb=mb, first_bucket_mb=mb / 2, comm_dtype=dtype, seed=config.seed
         )
     frozen = "split" if config.frozen else "error"
-    model_plan = plan(model, policy=_policy(case, config.policy, model), frozen=frozen)
+    model_policy = _policy(case, config.policy, model)
+    owned = functools.partial(_owned_where_it_fits, config.shard) if config.owned else None
+    model_plan = plan(model, policy=model_policy, frozen=frozen, placement=owned)
     return shard(
         model,
         model_plan,
@@ -230,6 +235,12 @@ def _shard(case: Case, config: Config, model: nn.Module, mesh: Mesh) -> ShardedS
         reshard_after_forward=config.reshard_after_forward,
         seed=config.seed,
     )
+
+
+def _owned_where_it_fits(shard_size: int, unit: Any) -> str:
+    """The `owned` switch's placement: "owned" for every unit within the bound over
+    `shard_size` ranks (see [Note: owned placement]), "even" for the others."""
+    return "owned" if placement.fits(unit, shard_size) else "even"
 
 
 def mixed_precision(name: str | None) -> MixedPrecision | None:

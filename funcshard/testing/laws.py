@@ -33,10 +33,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import optree
+import torch
 from torch import Tensor, nn
 
 from funcshard.comm import _collectives as collectives
 from funcshard.comm._chaos import chaos
+from funcshard.core._layout import FlatLayout, shard_pieces
 from funcshard.core._rng import manual_seed
 from funcshard.core._state import ShardedState
 from funcshard.step._metrics import pmean
@@ -136,7 +138,7 @@ def _round_trip(model: nn.Module, state: ShardedState, built_on: str) -> list[st
         problems += [f"{k} unlike the model's" for k in full if not bitwise(full[k], params[k])]
     rank = state.layout.mesh.shard_rank
     for shard, flat in zip(state.shards, flats, strict=True):
-        if not bool(shard[max(0, flat.numel - rank * flat.shard_numel) :].eq(0).all()):
+        if not bool(shard[_padding_mask(flat, rank)].eq(0).all()):
             problems.append(f"padding of {flat.name} is not zero on shard rank {rank}")
     return problems
 
@@ -239,3 +241,11 @@ def _same_runs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     if a["collectives"] != b["collectives"]:
         problems.append("the collectives issued")
     return problems
+
+
+def _padding_mask(flat: FlatLayout, rank: int) -> Tensor:
+    """Which elements of shard rank `rank`'s shard of `flat` are padding."""
+    mask = torch.ones(flat.shard_numel, dtype=torch.bool)
+    for p in shard_pieces(flat, rank):
+        mask[p.at : p.at + p.stop - p.start] = False
+    return mask

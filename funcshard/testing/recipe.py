@@ -24,6 +24,9 @@ same helpers turn each switch on for the sharded run and for the reference:
 - `schedule`: the rate times `warmup(step)`, the reference's `LambdaLR(opt, warmup)`.
 - `comm`: a user `fs.Comm` whose gather and reduce are the mesh axis's own all-gather and
   mean reduce-scatter (the same numbers as funcshard's, through the user path).
+- `owned`: `plan(placement=...)` puts each parameter whole on one rank of the shard axis in
+  every unit within the owned bound, the others even (see [Note: owned placement] in
+  funcshard/core/_placement.py); the reference is unchanged. Drawn on shard axes over 1.
 
 The block structure is found, not declared (`blocks`): a model without a `ModuleList`
 checkpoints and freezes nothing, and its configurations are the plain ones.
@@ -39,6 +42,7 @@ Refused by design, each with an error that names the cause (so never drawn):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -71,10 +75,11 @@ class Axes:
     groups: bool = True
     schedule: bool = True
     comm: bool = True
+    owned: bool = True
 
     @classmethod
     def none(cls) -> Axes:
-        return cls(*([False] * 8))
+        return cls(**{f.name: False for f in dataclasses.fields(cls)})
 
 
 def warmup(step: int) -> float:

@@ -124,13 +124,14 @@ _SIMPLEST = (
     {"groups": False},
     {"schedule": False},
     {"clip": False},
+    {"owned": False},
 )
 
 
 def _simplify(search: Search) -> None:
     """Finish shrinking where hypothesis's budget ran out: try the smallest failure with the
     seed 0 and each recipe switch off, one at a time, keeping each change under which it
-    still fails. With eight switches to turn off, hypothesis's own shrinking seldom gets
+    still fails. With nine switches to turn off, hypothesis's own shrinking seldom gets
     to them all within a small budget; this costs at most one run per switch."""
     config = search.failing[-1]
     for change in _SIMPLEST:
@@ -267,6 +268,7 @@ def configurations(
             groups=switch(on.groups),
             schedule=switch(on.schedule),
             comm=switch(on.comm and mesh.shard > 1),  # see recipe.REFUSED
+            owned=switch(on.owned and mesh.shard > 1),  # (owned over one rank is even)
         )
 
     return draw_config()

@@ -7,9 +7,10 @@ on 2 or 4 ranks, and 1), `reshard_after_forward` (True, False, k), fp32 or bf16 
 precision, activation checkpointing of every other block, each block's first Linear frozen
 (`frozen="split"`), `fs.compile` (aot_eager here), clipping, accumulation over 1 or 2
 micro-batches, AdamW or SGD, in two parameter groups (`partition`) or one, a learning-rate
-schedule, a user `fs.Comm`; and save-then-resume before the last step. Each configuration is
-judged by `fs.testing.check`'s own machinery (`examine`), so parity is 1e-5 relative in fp32
-and 2e-3 against a bf16-compute, fp32-master reference in bf16 (funcshard/testing/judge.py).
+schedule, a user `fs.Comm`, the owned placement; and save-then-resume before the last
+step. Each configuration is judged by `fs.testing.check`'s own machinery (`examine`), so
+parity is 1e-5 relative in fp32 and 2e-3 against a bf16-compute, fp32-master reference in
+bf16 (funcshard/testing/judge.py).
 Hypothesis shrinks a failure toward every switch off, so the reported configuration names
 the smallest combination that breaks.
 
@@ -92,6 +93,21 @@ RECIPES = configurations((1, 2, 4), ("blocks",), (None, "bf16"), recipe.Axes(), 
     ),
     optimizer="adamw",
 )
+# owned units (placement="owned" within the bound) beside every other switch, on HSDP
+@example(
+    config=dataclasses.replace(
+        Config(2, 2, False, "blocks", True, None, 0, 1),
+        owned=True,
+        checkpointing=True,
+        frozen=True,
+        clip=True,
+        micro_batches=2,
+        groups=True,
+        comm=True,
+    ),
+    optimizer="adamw",
+)
+@example(config=_fsdp(owned=True, compiled=True, reshard_after_forward=False), optimizer="sgd")
 def test_every_combination_of_features_trains_like_one_plain_process(config, optimizer):
     results = examine(dataclasses.replace(CASE, optimizer=optimizer), config)
     failed = [f"{r.law}: {r.detail}" for r in results if r.failed]

@@ -1,0 +1,144 @@
+"""Placement: how one flat buffer's parameters are arranged over the shard axis.
+
+[Note: owned placement]
+A unit's placement is a per-unit option (see [Note: per-unit options]): `"even"` (the flat
+split of [Note: flat buffers]) or `"owned"` (each parameter whole on one rank of the shard
+axis). An owned buffer is still one flat buffer of `shard_numel * shard_size` elements,
+with rank r holding `[r * shard_numel, (r + 1) * shard_numel)`; only the arrangement
+differs. Each parameter gets an owner rank: largest first (ties by plan order), each to the
+rank that holds the fewest elements so far (ties: the lower rank). A rank's parameters lie
+one after another, in plan order, from the start of its shard; `shard_numel` is the largest
+rank's load, and the rest of every shard is zero padding. So the padding is spread over the
+ranks instead of trailing, and a `FlatLayout`'s offsets are no longer the running sum of its
+numels: its `segments` say what lies where, in buffer order.
+
+Why this way, and not an uneven exchange that sends no padding: every collective of a step
+(all-gather, reduce-scatter, prefetch, resharding, recompute, mixed precision, HSDP, DDP,
+compile, offload) already works on one evenly split buffer with per-parameter offsets. An
+owned unit reuses all of them unchanged; only offsets and padding differ. What it costs is
+padding, sent in each all-gather and reduce-scatter: at most the largest rank's load less
+the mean. `fs.optim.whole_params` finds each parameter whole in its owner's shard and runs
+its transform there with no collective.
+
+The bound: a parameter may hold at most twice an even rank's share of its buffer,
+`2 * ceil(numel / shard_size)` elements. With largest-first assignment the largest load is
+at most the mean plus the largest parameter, so within the bound an owned shard is at most
+three times an even one (and usually within a few percent). A larger parameter is refused
+by name, before any collective: its owner would hold it alone while the other ranks hold
+padding. On a shard axis of one rank, owned is even: the layout records "even".
+
+What the padding costs, as `fs.estimate` counts it for the 10M GPT of `benchmarks.muon`
+(blocks owned, the root even, fp32; bytes each rank sends per step in gathers, regathers and
+reduce-scatters): at 2 ranks 55.4 MiB owned against 49.3 MiB even (+12%); at 4 ranks 92.4
+MiB against 74.0 MiB (+25%), because a block's largest matrices (590K elements) exceed a
+quarter of the block (443K). Even units with `whole_params` add its all-to-alls instead
+(about 3 * M * (N - 1) / N^2 elements per rank for M elements of matrices: 20 MiB at 2
+ranks, 15 MiB at 4). So at 4 ranks the padded gathers miss the issue's goal of sending no
+more than the even placement with plain AdamW; the next step is an uneven exchange
+(funcshard/comm/_exchange.py) that sends no padding, not built yet.
+
+The choice of owners is a pure function of the shapes and the shard size, so every rank
+computes the same one, and a checkpoint, stored by FQN (funcshard/io/_checkpoint_dict.py), moves
+between placements and world sizes like any other layout change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+from funcshard.core import _unit_options as unit_options
+
+PLACEMENTS = ("even", "owned")
+
+Placement = str | Mapping[Any, str] | Callable[[Any], str]
+
+
+def owners(numels: tuple[int, ...], shard_size: int) -> tuple[int, ...]:
+    """The owner rank of each parameter: largest first, each to the least-loaded rank."""
+    loads = [0] * shard_size
+    out = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        rank = min(range(shard_size), key=lambda r: (loads[r], r))
+        out[i] = rank
+        loads[rank] += numels[i]
+    return tuple(out)
+
+
+def owned_offsets(
+    numels: tuple[int, ...], owner: tuple[int, ...], shard_size: int
+) -> tuple[tuple[int, ...], int]:
+    """Each parameter's offset in the owned buffer and the shard numel (the largest load)."""
+    loads = [0] * shard_size
+    for numel, rank in zip(numels, owner, strict=True):
+        loads[rank] += numel
+    shard_numel = max(loads, default=0)
+    cursor = [r * shard_numel for r in range(shard_size)]
+    offsets = []
+    for numel, rank in zip(numels, owner, strict=True):
+        offsets.append(cursor[rank])
+        cursor[rank] += numel
+    return tuple(offsets), shard_numel
+
+
+def check_bound(name: str, fqns: tuple[str, ...], numels: tuple[int, ...], shard_size: int) -> None:
+    """ValueError naming the first parameter of buffer `name` over the owned bound (see
+    [Note: owned placement])."""
+    share = -(-sum(numels) // shard_size)
+    for fqn, numel in zip(fqns, numels, strict=True):
+        if numel > 2 * share:
+            raise ValueError(
+                f"funcshard.shard: {fqn} ({numel:,} elements) in {name} is over the bound "
+                f"of placement='owned': at most twice an even rank's share, 2 * "
+                f"{share:,} elements over a shard axis of {shard_size} ranks; its owner would "
+                f"hold it while the other ranks hold padding. Give this unit "
+                f"placement='even' (plan(..., placement={{unit: 'even'}})), or put more "
+                f"parameters in its unit."
+            )
+
+
+def fits(unit: Any, shard_size: int) -> bool:
+    """Whether `unit` (a plan's Unit) may be owned over `shard_size` ranks: every parameter
+    within the bound of its dtype's buffer (see [Note: owned placement])."""
+    for dtype in unit.dtypes:
+        numels = [
+            math.prod(s) for s, d in zip(unit.shapes, unit.param_dtypes, strict=True) if d == dtype
+        ]
+        if max(numels, default=0) > 2 * -(-sum(numels) // shard_size):
+            return False
+    return True
+
+
+def resolved(model: nn.Module, units: Any, placement: Placement | None) -> dict[str, str]:
+    """The placement of each unit that is not "even", from what `fs.plan` was given: a name
+    (every unit), a mapping (unit name, module, FQN or class -> name) or a callable
+    (`Unit -> name`). Unknown names are refused, naming the unit and the choices."""
+    if placement is None or placement == "even":
+        return {}
+    if isinstance(placement, str):
+        _check_name("placement", placement)
+        return {u.name: placement for u in units}
+    if isinstance(placement, Mapping):
+        given = unit_options.by_unit(model, units, placement, "placement")
+    elif callable(placement):
+        given = {u.name: placement(u) for u in units}
+    else:
+        raise TypeError(
+            f"funcshard.plan: placement must be 'even', 'owned', a mapping from units to "
+            f"those, or a callable Unit -> one of those, got {type(placement).__name__}."
+        )
+    for name, value in given.items():
+        _check_name(f"placement[{name!r}]", value)
+    return {name: value for name, value in given.items() if value != "even"}
+
+
+def _check_name(where: str, value: object) -> None:
+    if not isinstance(value, str) or value not in PLACEMENTS:
+        raise ValueError(
+            f"funcshard.plan: {where} must be one of {list(PLACEMENTS)}, got {value!r}. "
+            f"'even' splits the unit's flat buffer evenly; 'owned' puts each parameter whole "
+            f"on one rank."
+        )

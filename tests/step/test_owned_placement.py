@@ -1,0 +1,131 @@
+"""placement="owned": each parameter whole on one rank of the shard axis, in the same flat
+buffers, gathers and reductions as the even split; training equals one process."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import funcshard as fs
+from funcshard import testing
+from funcshard.core._layout import layout_of, shard_pieces
+from funcshard.testing.compare import assert_trees_close
+from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
+
+STEPS = 3
+LR, EPS = 3e-3, 1e-3  # eps 1e-3: see DESIGN.md §10.4 (AdamW on exactly-zero gradients)
+CASES = {  # mesh, placement, world size
+    "fsdp2_all_owned": ((None, 2), "owned", 2),
+    "fsdp3_blocks_owned": ((None, 3), {Block: "owned"}, 3),
+    "hsdp_blocks_owned": ((2, 2), {Block: "owned"}, 4),
+}
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2))
+
+
+def _loss(model, params, x, y):
+    return F.cross_entropy(fs.call(model, params, x).flatten(0, 1), y.flatten())
+
+
+def _batch(step: int):
+    return random_tokens(GPTConfig(n_layer=2), 12, seed=100 + step)
+
+
+def _mesh(shape):
+    replicate, shard = shape
+    return fs.Mesh(shard=shard) if replicate is None else fs.Mesh(replicate=replicate, shard=shard)
+
+
+def _train(case: str, rank: int) -> dict:
+    """AdamW on an owned state, STEPS steps, each rank its slice of the batch; also what
+    the layout says: every owned parameter lies whole in one rank's shard."""
+    shape, placement, world = CASES[case]
+    model = _model()
+    plan = fs.plan(model, policy=fs.policy.module_classes({Block}), placement=placement)
+    state = fs.shard(model, plan, _mesh(shape))
+    whole = all(
+        [(p.start, p.stop) for r in range(flat.shard_size) for p in shard_pieces(flat, r)
+         if p.index == i] == [(0, flat.numels[i])]
+        for flat in state.layout.flats if flat.placement == "owned"
+        for i in range(len(flat.fqns))
+    )  # fmt: skip
+    placements = {flat.unit: flat.placement for flat in state.layout.flats}
+    opt = fs.optim.adamw(LR, eps=EPS)
+    opt_state = opt.init(state)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        mine = x.chunk(world)[rank], y.chunk(world)[rank]
+        _, grads = fs.value_and_grad(functools.partial(_loss, model))(state, *mine)
+        state, opt_state = opt.step(grads, opt_state, state)
+    refused = ""
+    if world == 3:  # the bound, refused on every rank before any collective
+        owned_root = fs.plan(model, policy=fs.policy.module_classes({Block}), placement="owned")
+        try:
+            fs.shard(model, owned_root, _mesh(shape))
+        except ValueError as e:
+            refused = str(e)
+    return {"params": fs.unshard(state), "whole": whole, "placements": placements,
+            "refused": refused}  # fmt: skip
+
+
+def _one_process() -> dict:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+    return {f: p.detach() for f, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_owned_training_equals_one_process(case):
+    """AdamW on FSDP-2 (every unit owned), FSDP-3 and HSDP 2x2 (blocks owned, the root
+    even: a state mixing both) equals torch.optim.AdamW on one process to 1e-5; every owned
+    parameter lies whole in one rank's shard; at 3 ranks an owned root (whose embedding is
+    over the bound) is refused on every rank, naming it."""
+    expected = _one_process()
+    results = testing.run(functools.partial(_train, case), world_size=CASES[case][2])
+    for got in results:
+        assert_trees_close(got["params"], expected, rtol=1e-5, atol=1e-6)
+        assert got["whole"]
+        owned = {u for u, p in got["placements"].items() if p == "owned"}
+        assert owned == ({"blocks.0", "blocks.1"} | ({""} if "all" in case else set()))
+        if CASES[case][2] == 3:
+            assert "wte.weight" in got["refused"] and "placement='even'" in got["refused"]
+
+
+def test_placement_is_recorded_per_unit_and_refuses_bad_input():
+    """The plan records each unit's placement (fingerprint included); on a shard axis of one
+    rank owned lays out as even; an unknown name, a mapping naming no unit, a bad callable
+    result are refused naming them."""
+    model = _model()
+    blocks = fs.policy.module_classes({Block})
+    even = fs.plan(model, policy=blocks)
+    owned = fs.plan(model, policy=blocks, placement={Block: "owned"})
+    called = fs.plan(model, policy=blocks, placement=lambda u: "owned" if u.name else "even")
+    assert [u.placement for u in owned.units] == ["owned", "owned", "even"]
+    assert [u.placement for u in called.units] == ["owned", "owned", "even"]
+    assert owned.fingerprint() != even.fingerprint() == fs.plan(model, policy=blocks).fingerprint()
+    assert "owned" in owned.table()
+    per_rank = {u.name: u.bytes_per_rank(2) for u in owned.units}  # padding included
+    laid_out = layout_of(owned, None, 2)
+    for name, nbytes in per_rank.items():
+        flats = [f for f in laid_out.flats if f.unit == name]
+        assert nbytes == sum(f.shard_numel * f.dtype.itemsize for f in flats)
+    assert per_rank["blocks.0"] > even.units[0].bytes_per_rank(2)
+    assert layout_of(owned, None, 1).flats == layout_of(even, None, 1).flats
+    assert layout_of(owned, None, 2).flats != layout_of(even, None, 2).flats
+    with pytest.raises(ValueError, match=r"must be one of \['even', 'owned'\], got 'rows'"):
+        fs.plan(model, policy=blocks, placement="rows")
+    with pytest.raises(ValueError, match=r"placement names 'blocks', which is not a unit"):
+        fs.plan(model, policy=blocks, placement={"blocks": "owned"})
+    with pytest.raises(ValueError, match=r"placement\['blocks.0'\] must be one of"):
+        fs.plan(model, policy=blocks, placement=lambda u: "own")
+    with pytest.raises(TypeError, match=r"placement must be 'even', 'owned', a mapping"):
+        fs.plan(model, policy=blocks, placement=3)
