@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from funcshard.comm import _collectives as collectives
+from funcshard.core import _placement as placement
 from funcshard.core._layout import FlatLayout, overlap, shard_pieces
 
 
@@ -135,7 +136,7 @@ def plan(
                 found.append(
                     (fqn, flat.shapes[i], leaf, flat.offsets[i], flat.numels[i], where, placed)
                 )
-    balanced = iter(_balanced([f[4] for f in found if f[6] is None], size))
+    balanced = iter(placement.owners(tuple(f[4] for f in found if f[6] is None), size))
     members = tuple(
         Member(fqn, shape, leaf, offset, numel, next(balanced) if placed is None else placed,
                *where, placed=placed is not None)
@@ -165,17 +166,6 @@ def chunks(plan: Plan, numel: int) -> tuple[Plan, ...]:
         dataclasses.replace(plan, members=tuple(part), wholes=plan.wholes if i == 0 else ())
         for i, part in enumerate(cut)
     )
-
-
-def _balanced(numels: list[int], size: int) -> list[int]:
-    """An owner per item: largest first, each to the least loaded rank (lowest on a tie)."""
-    load = [0] * size
-    owners = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        rank = min(range(size), key=lambda r: (load[r], r))
-        owners[i] = rank
-        load[rank] += numels[i]
-    return owners
 
 
 def to_owners(plan: Plan, kinds: Sequence[Sequence[Tensor | None]], group) -> list[dict]:

@@ -12,7 +12,7 @@ from hypothesis import given
 
 import funcshard as fs
 from funcshard import testing
-from funcshard.optim import _owners as owners
+from funcshard.core import _placement as placement
 from funcshard.optim._muon import orthogonalized
 from funcshard.testing.compare import assert_trees_close
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
@@ -187,7 +187,7 @@ def test_whole_params_refuses_a_state_of_other_parameters():
 def test_owners_are_balanced_within_one_parameter(numels, size):
     """Largest-first greedy: the most and least loaded ranks differ by at most the largest
     parameter, and every parameter has exactly one owner in the group."""
-    owner = owners._balanced(numels, size)
+    owner = placement.owners(tuple(numels), size)
     load = [sum(n for n, o in zip(numels, owner, strict=True) if o == r) for r in range(size)]
     assert all(0 <= o < size for o in owner)
     assert max(load) - min(load) <= max(numels)
