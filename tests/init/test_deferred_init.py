@@ -1,0 +1,258 @@
+"""`fs.deferred_init()`: a model built on the meta device with its constructor recorded, then
+sharded by replaying that record, bitwise the same constructor run on the CPU."""
+
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import funcshard as fs
+from funcshard import testing
+from funcshard.init._deferred import DeferredInitError
+from funcshard.testing.memory import LiveTensors
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+
+class LayerNorm(nn.Module):
+    """nanoGPT's: parameters made in `__init__`, an optional bias, no init method."""
+
+    def __init__(self, ndim: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class Attention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, block_size: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        mask = torch.tril(torch.ones(block_size, block_size))
+        self.register_buffer("bias", mask.view(1, 1, block_size, block_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, nh, T, T)
+        att = F.softmax(att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")), dim=-1)
+        return self.c_proj((att @ v).transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, block_size: int, bias: bool) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(n_embd, bias)
+        self.attn = Attention(n_embd, n_head, block_size)
+        self.ln_2 = LayerNorm(n_embd, bias)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU())
+        self.mlp.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT's constructor: tied embedding and head, `apply` init, scaled projections."""
+
+    def __init__(self, vocab: int = 61, n_layer: int = 2, n_embd: int = 16, bias: bool = True):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, n_embd)
+        self.wpe = nn.Embedding(8, n_embd)
+        self.h = nn.ModuleList([Block(n_embd, 2, 8, bias) for _ in range(n_layer)])
+        self.ln_f = LayerNorm(n_embd, bias)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def _llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _lora() -> nn.Module:
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    return peft.get_peft_model(_llama(), lora)
+
+
+BUILDS = {
+    "gpt": GPT,
+    "gpt_no_bias": functools.partial(GPT, bias=False),
+    "llama": _llama,
+    "gpt2": _gpt2,
+    "lora": _lora,
+}
+
+
+def _built_both_ways(build) -> tuple[nn.Module, nn.Module, bool]:
+    """(CPU model, deferred model, whether the random state after each is the same)."""
+    torch.manual_seed(1337)
+    cpu = build()
+    after_cpu = torch.random.get_rng_state()
+    torch.manual_seed(1337)
+    with fs.deferred_init():
+        deferred = build()
+    return cpu, deferred, torch.equal(after_cpu, torch.random.get_rng_state())
+
+
+def _differences(cpu: nn.Module, state: fs.ShardedState) -> list[str]:
+    """Names whose sharded values are not bitwise the CPU model's."""
+    expected = dict(cpu.named_parameters())
+    expected.update(cpu.named_buffers())
+    got = {**fs.unshard(state), **state.buffers}
+    return [n for n, v in got.items() if not torch.equal(v, expected[n].detach())]
+
+
+BLOCKS = ("Block", "DecoderLayer")
+
+
+def _shard_each(world: int, rank: int) -> dict:
+    out: dict = {}
+    for name, build in BUILDS.items():
+        cpu, deferred, same_rng = _built_both_ways(build)
+        blocks = {m for m in deferred.modules() if type(m).__name__.endswith(BLOCKS)}
+        policy = fs.policy.module_classes({type(m) for m in blocks})
+        plan = fs.plan(deferred, policy=policy, frozen="split")
+        state = fs.shard(deferred, plan, fs.Mesh(shard=world))
+        out[name] = (same_rng, _differences(cpu, state))
+        if name == "gpt":
+            ddp = fs.replicate(deferred, fs.Mesh(replicate=world))
+            out["gpt_ddp"] = (same_rng, _differences(cpu, ddp))
+            tokens = torch.randint(61, (2, 8), generator=torch.Generator().manual_seed(rank))
+            out["gpt_call"] = torch.equal(fs.call(deferred, state, tokens), cpu(tokens))
+        if name == "lora":
+            b = state.buffers | fs.unshard(state)
+            out["lora_b_zero"] = all(v.eq(0).all() for n, v in b.items() if "lora_B" in n)
+            out["lora_a_random"] = all(v.std() > 0 for n, v in b.items() if "lora_A" in n)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_deferred_models_equal_their_cpu_construction_bitwise(world):
+    for rank, result in enumerate(testing.run(functools.partial(_shard_each, world), world)):
+        for name in [*BUILDS, "gpt_ddp"]:
+            same_rng, differ = result[name]
+            assert same_rng, f"{name}: the random state after the block is not the CPU build's"
+            assert differ == [], f"rank {rank}, {name}: {differ}"
+        assert result["gpt_call"] and result["lora_b_zero"] and result["lora_a_random"]
+
+
+class ReadsAValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3))
+        if self.weight.sum().item() > 0:  # a data-dependent branch
+            self.weight.data.neg_()
+
+
+def test_reading_a_value_in_the_constructor_names_module_op_and_line():
+    with pytest.raises(DeferredInitError) as caught, fs.deferred_init():
+        ReadsAValue()
+    message = str(caught.value)
+    assert "building ReadsAValue" in message and "_local_scalar_dense" in message
+    assert f"{__file__}:" in message and ".item()" in message
+
+
+def test_blocks_do_not_nest():
+    with fs.deferred_init(), pytest.raises(ValueError, match="do not nest"), fs.deferred_init():
+        pass
+    with fs.deferred_init():  # the failed inner block left the outer one working
+        assert nn.Linear(2, 2).weight.is_meta
+
+
+def _bad_shards(rank: int) -> list[str]:
+    mesh = fs.Mesh(shard=2)
+    messages = []
+    for change in ("seed", "init", "to_empty", "to_dtype"):
+        with fs.deferred_init():
+            model = GPT()
+        kwargs: dict = {}
+        if change == "seed":
+            kwargs["seed"] = 0
+        elif change == "init":
+            kwargs["init"] = model._init_weights
+        elif change == "to_empty":
+            model.to_empty(device="cpu")
+        else:
+            model.to(torch.float64)
+        try:
+            fs.shard(model, fs.plan(model), mesh, **kwargs)
+            messages.append(f"{change}: no error")
+        except ValueError as e:
+            messages.append(f"{change}: {e}")
+    return messages
+
+
+def test_bad_input_to_shard_is_refused_alike_on_every_rank_before_any_collective():
+    first, second = testing.run(_bad_shards, 2)
+    assert first == second
+    seed, init, to_empty, to_dtype = first
+    assert "seed=0 does not apply" in seed and "torch.manual_seed" in seed
+    assert "init=" in init and "does not apply" in init
+    for text in (to_empty, to_dtype):
+        assert "replaced after the deferred_init block" in text and "'wte.weight'" in text
+
+
+def _peak_while_sharding(rank: int) -> dict:
+    with fs.deferred_init():
+        model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(8)])
+    plan = fs.plan(model, policy=fs.policy.module_classes({nn.Linear}))
+    with LiveTensors() as live:
+        state = fs.shard(model, plan, fs.Mesh(shard=2))
+    local = sum(s.numel() * s.element_size() for s in state.shards)
+    return {"peak": live.peak, "local": local, "largest": 64 * 64 * 4, "whole": 8 * 64 * 64 * 4}
+
+
+def test_peak_memory_while_sharding_is_one_parameter_plus_the_local_shards():
+    for r in testing.run(_peak_while_sharding, 2):
+        assert r["local"] == r["whole"] // 2
+        assert r["peak"] <= r["largest"] + r["local"] + 16 * 1024, r  # small: random states
+        assert r["peak"] < r["whole"], r
