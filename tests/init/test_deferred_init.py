@@ -198,6 +198,7 @@ def test_reading_a_value_in_the_constructor_names_module_op_and_line():
         ReadsAValue()
     message = str(caught.value)
     assert "building ReadsAValue" in message and "_local_scalar_dense" in message
+    assert "reads a tensor's value into Python" in message
     assert f"{__file__}:" in message and ".item()" in message
 
 
