@@ -257,3 +257,44 @@ def test_peak_memory_while_sharding_is_one_parameter_plus_the_local_shards():
         assert r["local"] == r["whole"] // 2
         assert r["peak"] <= r["largest"] + r["local"] + 16 * 1024, r  # small: random states
         assert r["peak"] < r["whole"], r
+
+
+def _as_template(path: str, rank: int) -> dict:
+    """A sharded deferred model serves as the template a meta model does."""
+    with fs.deferred_init():
+        model = _gpt2().eval()  # no dropout, to compare the forward
+    plan = fs.plan(model)
+    state = fs.checkpoint.load_hf(path, like=fs.shard(model, plan, fs.Mesh(shard=2)))
+    torch.manual_seed(5)
+    saved = _gpt2().eval()
+    tokens = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    logits = fs.call(model, state, input_ids=tokens).logits
+    estimate = fs.estimate(plan, 2, model=model)
+    return {
+        "loaded": _differences(saved, state) == [],
+        "call": torch.allclose(logits, saved(input_ids=tokens).logits, rtol=1e-5, atol=1e-6),
+        "estimate": estimate.peak > 0,
+    }
+
+
+def test_a_sharded_deferred_model_is_a_template_for_call_estimate_and_load_hf(tmp_path):
+    torch.manual_seed(5)
+    _gpt2().save_pretrained(tmp_path)
+    for result in testing.run(functools.partial(_as_template, str(tmp_path)), 2):
+        assert result == {"loaded": True, "call": True, "estimate": True}
+
+
+def deferred_mlp() -> nn.Module:
+    with fs.deferred_init():
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def mlp_batch(step: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(4, 8, generator=g),), torch.randn(4, 4, generator=g)
+
+
+def test_testing_check_takes_a_deferred_model():
+    small = {"world_sizes": (2,), "steps": 2, "recipes": False, "shrink_budget": 1}
+    report = fs.testing.check(deferred_mlp, mlp_batch, examples=1, meta=True, **small)
+    assert report.ok
