@@ -29,6 +29,12 @@ to replay it from). The error names the innermost module whose `__init__` is run
 the Python stack), the op, and the first line outside torch and funcshard. Nested blocks are
 refused: one recorder owns the device context.
 
+Factories are made meta at dispatch (an op with no tensor input and a `device` argument that
+is the CPU or unset), not by entering `torch.device("meta")`: transformers' `init_weights`
+skips the model's initialization when `torch.tensor([])` lands on meta, and that tensor
+(made by `lift_fresh`, no factory) stays on the CPU here. A CPU tensor that meets a meta one
+in an op is recorded as a constant and moved to meta for that op.
+
 Modules that register a parameter, buffer or child inside the block are remembered in a
 weak map from module to record, with the names of their tensors that were meta when the block
 closed; nothing is written on the modules themselves. `shard` looks a model up there, so a
@@ -221,6 +227,8 @@ class _Recorder(TorchDispatchMode):
             raise _refused(func, "made a meta tensor from no meta input or device")
         ref_args, ref_kwargs = self._refs(args), self._refs(kwargs)
         rng = _generator_state(func, args, kwargs) if seeded else None
+        if metas:  # CPU tensors (torch.tensor(data) stays on the CPU) meet meta ones on meta
+            args, kwargs = pytree.tree_map(_to_meta, (args, kwargs))
         try:
             out = func(*args, **kwargs)
         except Exception as e:
@@ -268,6 +276,10 @@ def _on_meta(func: Any, args: tuple, kwargs: dict) -> dict:
     if device is None or torch.device(device).type == "cpu":
         return {**kwargs, "device": torch.device("meta")}
     return kwargs
+
+
+def _to_meta(x: Any) -> Any:
+    return x.to("meta") if isinstance(x, Tensor) and x.device.type == "cpu" else x
 
 
 def _is_meta(x: Any) -> bool:
