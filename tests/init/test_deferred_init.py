@@ -211,9 +211,24 @@ def test_blocks_do_not_nest():
         assert nn.Linear(2, 2).weight.is_meta
 
 
+class Uninitialized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3))  # garbage on the CPU too
+
+
 def _bad_shards(rank: int) -> list[str]:
     mesh = fs.Mesh(shard=2)
     messages = []
+    with fs.deferred_init():
+        model = nn.Sequential(Uninitialized())
+    with torch.device("meta"):
+        model.append(nn.Linear(2, 2))  # after the block: nothing records it
+    for bad in (model, model[:1]):
+        try:
+            fs.shard(bad, fs.plan(bad), mesh)
+        except ValueError as e:
+            messages.append(str(e))
     for change in ("seed", "init", "to_empty", "to_dtype"):
         with fs.deferred_init():
             model = GPT()
@@ -237,7 +252,11 @@ def _bad_shards(rank: int) -> list[str]:
 def test_bad_input_to_shard_is_refused_alike_on_every_rank_before_any_collective():
     first, second = testing.run(_bad_shards, 2)
     assert first == second
-    seed, init, to_empty, to_dtype = first
+    outside, never_written, seed, init, to_empty, to_dtype = first
+    assert "'1.weight', '1.bias' are on the meta device but were not built in" in outside
+    assert (
+        "'0.weight' are made by torch.empty in the constructor and never written" in never_written
+    )
     assert "seed=0 does not apply" in seed and "torch.manual_seed" in seed
     assert "init=" in init and "does not apply" in init
     for text in (to_empty, to_dtype):
