@@ -228,6 +228,8 @@ class _Recorder(TorchDispatchMode):
         ref_args, ref_kwargs = self._refs(args), self._refs(kwargs)
         rng = _generator_state(func, args, kwargs) if seeded else None
         if metas:  # CPU tensors (torch.tensor(data) stays on the CPU) meet meta ones on meta
+            if any(not _is_meta(t) for t in _written(func, args, kwargs)):
+                raise _refused(func, "writes a CPU tensor from a meta one")
             args, kwargs = pytree.tree_map(_to_meta, (args, kwargs))
         try:
             out = func(*args, **kwargs)
@@ -286,16 +288,21 @@ def _is_meta(x: Any) -> bool:
     return isinstance(x, Tensor) and x.is_meta
 
 
-def _written_keys(func: Any, args: tuple, kwargs: dict) -> list[int]:
-    """Storage identities of the meta tensors `func` writes, from its schema."""
-    keys = []
+def _written(func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors `func` writes, from its schema."""
+    found = []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             value = kwargs.get(arg.name, args[i] if i < len(args) and not arg.kwarg_only else None)
             for t in value if isinstance(value, list | tuple) else (value,):
-                if _is_meta(t):
-                    keys.append(storage_key(t))
-    return list(dict.fromkeys(keys))
+                if isinstance(t, Tensor):
+                    found.append(t)
+    return found
+
+
+def _written_keys(func: Any, args: tuple, kwargs: dict) -> list[int]:
+    """Storage identities of the meta tensors `func` writes."""
+    return list(dict.fromkeys(storage_key(t) for t in _written(func, args, kwargs) if _is_meta(t)))
 
 
 def generator_arg(func: Any) -> tuple[int, str] | None:
