@@ -34,6 +34,7 @@ from funcshard.core import manual_seed as manual_seed
 from funcshard.core import plan as plan
 from funcshard.core import rank_generator as rank_generator
 from funcshard.core import rank_seed as rank_seed
+from funcshard.init import deferred_init as deferred_init
 from funcshard.init import skip as skip
 from funcshard.init import whole_model as whole_model
 from funcshard.io import CheckpointCorrupted as CheckpointCorrupted
@@ -98,6 +99,7 @@ __all__ = [
     "carry_zeros",
     "checkpoint",
     "compile",
+    "deferred_init",
     "estimate",
     "extract",
     "fail_fast",

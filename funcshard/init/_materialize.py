@@ -230,7 +230,8 @@ def _still_on_meta_message(uninitialized: list[str], init: Init, where: str) -> 
         f"writes them. Define one, pass the model's own initialization as {call}(..., init=fn), "
         f"called with each module (a transformers model: init=model._init_weights), or "
         f"init=fs.whole_model(fn) for one call on the whole model (torchtitan: "
-        f"init=fs.whole_model(model.init_weights)), or build the model on a real device."
+        f"init=fs.whole_model(model.init_weights)), or build the model inside "
+        f"`with fs.deferred_init():` to replay its own constructor, or on a real device."
     )
 
 

@@ -35,7 +35,7 @@ def replicate(
     first_bucket_mb: float = 1.0,
     comm_dtype: torch.dtype | None = None,
     ignored: Iterable[nn.Module | nn.Parameter | str] = (),
-    seed: int = 0,
+    seed: int | None = None,
     reduce_ignored: bool = True,
     init: Init = None,
     mp: MixedPrecision | None = None,
@@ -48,7 +48,8 @@ def replicate(
     `init` and `seed` mean what they mean for `funcshard.shard`: a meta-device model is
     initialized under `seed` by its modules' `reset_parameters()`, or by `init` (a
     transformers model: `init=model._init_weights`), to the values `shard` gives it on any
-    mesh. `mp` is `shard`'s mixed precision: the forward runs in `mp.param_dtype`, and
+    mesh; a model built under `fs.deferred_init()` is its constructor's replay. `mp` is
+    `shard`'s mixed precision: the forward runs in `mp.param_dtype`, and
     gradients are all-reduced in `mp.reduce_dtype`, which is what `comm_dtype` sets (give
     one of the two).
     Communicates: what `shard` does (a fingerprint check and the buffers).

@@ -23,6 +23,7 @@ from funcshard.core._precision import MixedPrecision
 from funcshard.core._state import ShardedState
 from funcshard.core._tree import format_names
 from funcshard.init._materialize import Init, check_init, local_slice, materialize
+from funcshard.init._replay import check_deferred, is_deferred, materialize_deferred
 from funcshard.step import _zero_start as zero_start
 
 
@@ -33,7 +34,7 @@ def shard(
     mp: MixedPrecision | None = None,
     reshard_after_forward: bool | int = True,
     offload: bool = False,
-    seed: int = 0,
+    seed: int | None = None,
     init: Init = None,
 ) -> ShardedState:
     """Shard `model`'s parameters over `mesh` as `plan` groups them; the model is not changed.
@@ -48,7 +49,10 @@ def shard(
     for a state whose values a checkpoint load gives next (`funcshard.checkpoint.load(path,
     like=(state, opt_state))`, `funcshard.checkpoint.load_hf`), while non-persistent buffers,
     which no checkpoint holds, are computed by `reset_buffers()` or by `fn` (a transformers
-    model: `init=fs.skip(model._init_weights)`).
+    model: `init=fs.skip(model._init_weights)`). `seed` is 0 when not given.
+    A model built under `fs.deferred_init()` is materialized by replaying its constructor
+    instead, one tensor at a time, bitwise its CPU construction; `seed` and `init` do not
+    apply to it.
     `reshard_after_forward` is True, False or an int k that divides the shard size.
     `offload=True` keeps shards (and so gradients and optimizer state) in CPU memory, pinned
     on a GPU mesh: each unit's shards are copied in ahead of use, and the optimizer steps on
@@ -71,7 +75,7 @@ def shard_as(
     mp: MixedPrecision | None,
     reshard_after_forward: bool | int,
     offload: bool,
-    seed: int,
+    seed: int | None,
     init: Init,
 ) -> ShardedState:
     """`shard`, with errors that name `where`, the public call that asked for it (`shard`
@@ -84,6 +88,11 @@ def shard_as(
             f"policy=...)."
         )
     check_mesh(mesh, where)
+    deferred = is_deferred(model)
+    if deferred:
+        _check_no_seed_or_init(seed, init, where)
+        check_deferred(model, where)
+    seed = 0 if seed is None else seed
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
         raise TypeError(
             f"{where}: seed must be an int, the same on every rank, got {_described(seed)}."
@@ -101,7 +110,11 @@ def shard_as(
     )
     params = dict(model.named_parameters())
     on_meta = any(p.is_meta for p in params.values()) or any(b.is_meta for b in model.buffers())
-    if on_meta:
+    if deferred:
+        shards, replicated, buffers = materialize_deferred(
+            model, layout, mesh.shard_rank, mesh.device, where
+        )
+    elif on_meta:
         shards, replicated, buffers = materialize(
             model, layout, mesh.shard_rank, seed, mesh.device, init, where
         )
@@ -131,6 +144,18 @@ def shard_as(
     )
     zero_start.started(state)  # see [Note: parameters stuck at zero]
     return state
+
+
+def _check_no_seed_or_init(seed: int | None, init: Init, where: str) -> None:
+    """A deferred model's values are its constructor's: refuse a seed or init for it."""
+    given = [f"{n}={v!r:.40}" for n, v in (("seed", seed), ("init", init)) if v is not None]
+    if given:
+        raise ValueError(
+            f"{where}: {', '.join(given)} does not apply to a model built under "
+            f"fs.deferred_init(): its values are its constructor's, replayed from the random "
+            f"state the block began with. Seed before the block (torch.manual_seed) and drop "
+            f"{' and '.join(n.split('=')[0] + '=' for n in given)}."
+        )
 
 
 def _to_host(shard: Tensor, pin: bool) -> Tensor:

@@ -64,7 +64,8 @@ def check(
 
     `make_model()` builds the model (on every rank, and on the meta device where
     `fs.shard` can initialize it: `meta=None` tries, `True` insists, `False` builds on the
-    CPU). `make_batch(step)` returns the global batch `(inputs, targets)`: tensors, tuples of
+    CPU; a `make_model` that builds inside `fs.deferred_init()` is replayed, with no seed).
+    `make_batch(step)` returns the global batch `(inputs, targets)`: tensors, tuples of
     tensors or a dict of keyword tensors, split along dim 0 over the data-parallel ranks; the
     model is called as `model(*inputs)`, `model(**inputs)` or `model(inputs)`.
     `loss_fn(outputs, targets)` is a mean loss (default: `default_loss`). All three must be

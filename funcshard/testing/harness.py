@@ -31,6 +31,7 @@ from funcshard.core._precision import MixedPrecision
 from funcshard.core._rng import data_parallel_index, fold_in
 from funcshard.core._state import ShardedState
 from funcshard.init._materialize import StillOnMeta
+from funcshard.init._replay import is_deferred
 from funcshard.optim._base import Optimizer
 from funcshard.optim._params import apply_updates
 from funcshard.step import _sharded_call as sharded_call
@@ -177,7 +178,9 @@ def build(case: Case, config: Config, mesh: Mesh) -> tuple[nn.Module, ShardedSta
     (unless `case.meta` is False), else on the CPU after `torch.manual_seed(seed)`. Returns
     the model, its state and where it was built ("meta" or "cpu")."""
     with phase("round_trip"):
-        model = _on_meta(case)
+        with torch.random.fork_rng(devices=[]):  # a deferred model draws as on the CPU
+            torch.manual_seed(config.seed)
+            model = _on_meta(case)
         if model is not None:
             try:
                 model = _prepared(model, config)
@@ -217,11 +220,12 @@ def _prepared(model: nn.Module, config: Config) -> nn.Module:
 
 
 def _shard(case: Case, config: Config, model: nn.Module, mesh: Mesh) -> ShardedState:
+    seed = None if is_deferred(model) else config.seed  # deferred: the constructor's values
     if config.ddp:  # about three buckets; mixed precision is DDP's compressed all-reduce
         mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 3 / 2**20
         dtype = MP[config.mp] if config.mp is not None else None
         return replicate(
-            model, mesh, bucket_mb=mb, first_bucket_mb=mb / 2, comm_dtype=dtype, seed=config.seed
+            model, mesh, bucket_mb=mb, first_bucket_mb=mb / 2, comm_dtype=dtype, seed=seed
         )
     frozen = "split" if config.frozen else "error"
     model_policy = _policy(case, config.policy, model)
@@ -233,7 +237,7 @@ def _shard(case: Case, config: Config, model: nn.Module, mesh: Mesh) -> ShardedS
         mesh,
         mp=mixed_precision(config.mp),
         reshard_after_forward=config.reshard_after_forward,
-        seed=config.seed,
+        seed=seed,
     )
 
 
