@@ -132,13 +132,24 @@ def check_init(init: Init, where: str = "funcshard.shard") -> Checked:
 def local_slice(tensors: list[Tensor], flat: FlatLayout, shard_rank: int) -> Tensor:
     """This rank's (shard_numel,) slice of the zero-padded concatenation of `tensors`."""
     device = tensors[0].device if tensors else torch.device("cpu")
+    return local_slice_of(lambda i: tensors[i], flat, shard_rank, device)
+
+
+def local_slice_of(
+    member: Callable[[int], Tensor], flat: FlatLayout, shard_rank: int, device: Any = "cpu"
+) -> Tensor:
+    """This rank's (shard_numel,) slice of `flat`, asking `member(i)` for the i-th member's
+    value only where it overlaps the slice, and dropping it before the next (so a replayed
+    model holds one member at a time)."""
     out = torch.zeros(flat.shard_numel, dtype=flat.dtype, device=device)
     start = shard_rank * flat.shard_numel
     end = start + flat.shard_numel
-    for tensor, offset, numel in zip(tensors, flat.offsets, flat.numels, strict=True):
+    for i, (offset, numel) in enumerate(zip(flat.offsets, flat.numels, strict=True)):
         lo, hi = max(start, offset), min(end, offset + numel)
         if lo < hi:
-            out[lo - start : hi - start] = tensor.detach().reshape(-1)[lo - offset : hi - offset]
+            value = member(i).detach().reshape(-1)
+            out[lo - start : hi - start] = value[lo - offset : hi - offset]
+            del value
     return out
 
 

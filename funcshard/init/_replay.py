@@ -41,6 +41,7 @@ from funcshard.init._deferred import (
     ref_of,
     storage_key,
 )
+from funcshard.init._materialize import local_slice_of
 
 _EMPTY = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 
@@ -107,15 +108,7 @@ def materialize_deferred(
 
 def _shard(flat: FlatLayout, params: dict[str, Tensor], replay: _Replay, rank: int) -> Tensor:
     """This rank's (shard_numel,) slice of `flat`, each member rebuilt and dropped in turn."""
-    out = torch.zeros(flat.shard_numel, dtype=flat.dtype)
-    start, end = rank * flat.shard_numel, (rank + 1) * flat.shard_numel
-    for fqn, offset, numel in zip(flat.fqns, flat.offsets, flat.numels, strict=True):
-        lo, hi = max(start, offset), min(end, offset + numel)
-        if lo < hi:
-            value = replay.value(fqn, params[fqn]).reshape(-1)
-            out[lo - start : hi - start] = value[lo - offset : hi - offset]
-            del value
-    return out
+    return local_slice_of(lambda i: replay.value(flat.fqns[i], params[flat.fqns[i]]), flat, rank)
 
 
 def _logs(model: nn.Module) -> dict[int, Log]:

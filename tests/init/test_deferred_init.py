@@ -168,6 +168,9 @@ def _shard_each(world: int, rank: int) -> dict:
         if name == "gpt":
             ddp = fs.replicate(deferred, fs.Mesh(replicate=world))
             out["gpt_ddp"] = (same_rng, _differences(cpu, ddp))
+            owned = fs.plan(deferred, policy=policy, placement={type(b): "owned" for b in blocks})
+            in_owners = fs.shard(deferred, owned, fs.Mesh(shard=world))  # each block's owners
+            out["gpt_owned"] = (same_rng, _differences(cpu, in_owners))
             tokens = torch.randint(61, (2, 8), generator=torch.Generator().manual_seed(rank))
             out["gpt_call"] = torch.equal(fs.call(deferred, state, tokens), cpu(tokens))
         if name == "lora":
@@ -180,7 +183,7 @@ def _shard_each(world: int, rank: int) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_deferred_models_equal_their_cpu_construction_bitwise(world):
     for rank, result in enumerate(testing.run(functools.partial(_shard_each, world), world)):
-        for name in [*BUILDS, "gpt_ddp"]:
+        for name in [*BUILDS, "gpt_ddp", "gpt_owned"]:
             same_rng, differ = result[name]
             assert same_rng, f"{name}: the random state after the block is not the CPU build's"
             assert differ == [], f"rank {rank}, {name}: {differ}"
