@@ -100,6 +100,7 @@ def _donation_errors(state: fs.ShardedState, opt_state) -> list[str]:
 
 
 @pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.quick
 def test_a_compiled_sgd_step_is_one_graph_and_trains_like_the_eager_step(mesh):
     mesh_kwargs, world = MESHES[mesh]
     for r in testing.run(functools.partial(_train, mesh_kwargs, "sgd"), world, timeout=240):
