@@ -50,10 +50,9 @@ def test_the_quick_flag_runs_the_same_checks_then_only_the_quick_tests(tmp_path)
 
 
 def _marked_quick(path: Path) -> bool:
-    """Whether a test function in `path` carries `@pytest.mark.quick`."""
+    """Whether `path` marks a test, or a test's parameter, with `pytest.mark.quick`."""
     return any(
-        isinstance(node, ast.FunctionDef)
-        and any(ast.unparse(d) == "pytest.mark.quick" for d in node.decorator_list)
+        isinstance(node, ast.Attribute) and ast.unparse(node) == "pytest.mark.quick"
         for node in ast.walk(ast.parse(path.read_text()))
     )
 

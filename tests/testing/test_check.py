@@ -51,7 +51,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
-@pytest.mark.quick
 def test_the_laws_hold_for_the_library_gpt_and_the_report_says_so():
     report = fs.testing.check(gpt, tokens, cross_entropy, **QUICK)
     assert report.ok and report.smallest is None
@@ -219,6 +218,7 @@ def no_all_reduce_across_replicas():
         yield
 
 
+@pytest.mark.quick
 def test_gradients_summed_instead_of_averaged_break_parity():
     _caught(Small, {"parity"}, setup=sum_instead_of_mean)
 
