@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # The one test command: installs what is missing into .venv, then runs ruff, the import
 # contracts, the type checker, the docs site's strict build and the suite.
-#   bash scripts/test.sh [extra pytest args]
+#   bash scripts/test.sh [--quick] [extra pytest args]
+# --quick, first if given: the quick lane for iteration, the same checks before the suite,
+# then only the tests marked `quick` (pytest -m quick: one or two core parity tests a wing,
+# chosen by what they guard). CI (.ci/run) never passes it: it runs the whole suite.
 set -euo pipefail
+lane=()
+if [ "${1:-}" = --quick ]; then
+  shift
+  lane=(-m quick)
+fi
 EXTRAS=test,docs source "$(dirname "$0")/env.sh"
 "$py" -m ruff check .
 .venv/bin/lint-imports  # the wings' layers (pyproject.toml [tool.importlinter])
@@ -11,4 +19,4 @@ EXTRAS=test,docs source "$(dirname "$0")/env.sh"
 # name that no longer resolves is a warning, and --strict makes it fail.
 echo "mkdocs build --strict"
 NO_MKDOCS_2_WARNING=1 "$py" -m mkdocs build --strict --site-dir site
-"$py" -m pytest "$@"
+"$py" -m pytest ${lane[@]+"${lane[@]}"} "$@"

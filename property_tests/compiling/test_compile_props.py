@@ -1,7 +1,11 @@
 """torch.compile of value_and_grad, fuzzed: for a random module tree, plan and mesh, the
-compiled gradient step is one graph and computes what the eager step computes."""
+compiled gradient step is one graph and computes what the eager step computes.
+
+Each drawn case compiles a step on every rank, so CI draws `EXAMPLES` (6) of them;
+`HYPOTHESIS_PROFILE=long` (`bash scripts/stress.sh 1 0 property_tests/compiling`) draws 50."""
 
 import functools
+import os
 import warnings
 
 import torch
@@ -13,6 +17,8 @@ from funcshard import testing
 from funcshard.testing import strategies
 from funcshard.testing.compare import assert_trees_close
 from funcshard.testing.dynamo import isolated
+
+EXAMPLES = 50 if os.environ.get("HYPOTHESIS_PROFILE") == "long" else 6
 
 
 def _loss(model, state, x, target):
@@ -34,7 +40,7 @@ def _compiled_and_eager(case, mesh_shape, seed: int, rank: int) -> tuple:
     return compiled, step(state, x, target), breaks
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(
     case=strategies.plans(),
     mesh=strategies.meshes(world_sizes=(2, 4)),

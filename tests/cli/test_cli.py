@@ -47,6 +47,7 @@ def _measured(rank: int) -> dict:
     }
 
 
+@pytest.mark.quick
 def test_plan_estimates_equal_a_real_two_rank_step():
     for r in testing.run(_measured, world_size=2):
         planned = r["planned"]

@@ -1,4 +1,7 @@
-"""`funcshard demo`, briefly: it trains, checks itself against one process, and reports."""
+"""`funcshard demo`, briefly: it trains, checks itself against one process, and reports.
+
+Its resume from a checkpoint is tests/recipes/test_recovery.py's: a run killed mid-way, then
+resumed, whose output is checked for what a resumed run prints."""
 
 import subprocess
 import sys
@@ -16,27 +19,3 @@ def test_the_demo_trains_and_passes_its_own_parity_check(mode, dropout):
     assert "parity with one unsharded process   passed" in out.stdout
     assert "unigram baseline" in out.stdout and "sample: 'def " in out.stdout
 
-
-def test_the_demo_resumes_from_its_checkpoint(tmp_path):
-    base = [
-        sys.executable,
-        "-m",
-        "funcshard",
-        "demo",
-        "--plot",
-        "",
-        "--checkpoint-dir",
-        str(tmp_path),
-    ]
-    first = subprocess.run([*base, "--steps", "4"], capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-2000:]
-    again = subprocess.run(
-        [*base, "--steps", "7", "--resume"], capture_output=True, text=True, timeout=300
-    )
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert f"resumed from step 4 ({tmp_path})" in again.stdout
-    assert (
-        "training: 100%" in again.stdout
-        and "7/7" in again.stdout
-        and "skipped (a resumed or bf16 run" in again.stdout
-    )

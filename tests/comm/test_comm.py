@@ -258,6 +258,7 @@ def _pmean_axis(rank: int) -> dict:
     return {"across": across, "full": full, "log": log}
 
 
+@pytest.mark.quick
 def test_pmean_over_the_replicate_axis_is_the_hsdp_all_reduce():
     for r in testing.run(_pmean_axis, 4):
         assert type(r["across"]) is fs.ShardedGrads

@@ -40,6 +40,7 @@ def test_ddp_mesh_replicates_over_every_rank():
     assert [o[:4] for o in out] == [(0, 0, [0], [0, 1]), (1, 0, [1], [0, 1])]
 
 
+@pytest.mark.quick
 def test_hsdp_mesh_shards_within_rows_and_replicates_across_them():
     out = testing.run(functools.partial(_describe, {"replicate": 2, "shard": 2}), world_size=4)
     assert [o[:4] for o in out] == [

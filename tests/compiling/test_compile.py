@@ -99,7 +99,10 @@ def _donation_errors(state: fs.ShardedState, opt_state) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("mesh", MESHES)
+# FSDP's compiled step is in the quick lane; DDP's and HSDP's run in the whole suite.
+@pytest.mark.parametrize(
+    "mesh", [pytest.param(m, marks=[pytest.mark.quick] if m == "fsdp" else []) for m in MESHES]
+)
 def test_a_compiled_sgd_step_is_one_graph_and_trains_like_the_eager_step(mesh):
     mesh_kwargs, world = MESHES[mesh]
     for r in testing.run(functools.partial(_train, mesh_kwargs, "sgd"), world, timeout=240):

@@ -34,6 +34,7 @@ def test_extract_lists_tied_weight_once_under_first_fqn():
         assert p.grad_fn is None and p.data_ptr() == model.get_parameter(name).data_ptr()
 
 
+@pytest.mark.quick
 def test_call_matches_module_on_gpt_with_tied_embedding():
     torch.manual_seed(0)
     model = GPT()

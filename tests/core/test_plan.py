@@ -42,6 +42,7 @@ def test_no_policy_is_one_root_unit_holding_everything_in_registration_order():
     assert plan.units[0].fqns == tuple(n for n, _ in model.named_parameters())
 
 
+@pytest.mark.quick
 def test_gpt_blocks_become_units_and_the_root_keeps_embeddings_and_the_tied_head():
     plan = fs.plan(GPT(GPTConfig(n_layer=3)), policy=fs.policy.module_classes({Block}))
     assert _names(plan) == ["blocks.0", "blocks.1", "blocks.2", ""]

@@ -210,6 +210,7 @@ def _whole_model_init(world: int, rank: int) -> dict:
     return {"params": fs.unshard(state), "buffers": state.buffers, "logits": logits}
 
 
+@pytest.mark.quick
 def test_whole_model_init_is_one_call_on_a_copy_equal_to_a_cpu_build():
     """torchtitan's form: the bound `model.init_weights` acts on the working copy; the result
     is bitwise a CPU build followed by the same call under the seed, at 1, 2 and 3 ranks."""

@@ -75,6 +75,7 @@ def _mean(results, key):
 
 
 @pytest.mark.parametrize("world", [3, 1])
+@pytest.mark.quick
 def test_a_checkpoint_from_two_ranks_resumes_on_another_world_size(tmp_path, world):
     path = str(tmp_path / "ckpt")
     saved = testing.run(functools.partial(_train_and_save, path), world_size=2, timeout=120)

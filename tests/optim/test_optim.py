@@ -63,6 +63,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("ours", "theirs"), CASES)
+@pytest.mark.quick
 def test_optimizers_match_torch_optim_after_several_steps(ours, theirs):
     params, grads = _problem()
     expected = _torch_run(theirs, params, grads)
@@ -241,6 +242,7 @@ def _sharded_steps(fused: bool, rank: int) -> list:
     return list(state.shards)
 
 
+@pytest.mark.quick
 def test_a_sharded_step_equals_update_then_apply_on_two_ranks():
     fused = fs.testing.run(functools.partial(_sharded_steps, True))
     plain = fs.testing.run(functools.partial(_sharded_steps, False))

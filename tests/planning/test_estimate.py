@@ -96,6 +96,7 @@ def _error(estimated: int, measured: int) -> float:
     return abs(estimated - measured) / measured
 
 
+@pytest.mark.quick
 def test_the_peak_with_the_step_is_within_10_percent_of_readmes_loop(measured):
     assert _error(_estimated(SMALL, 4).peak, measured["loop"]) < 0.10
 

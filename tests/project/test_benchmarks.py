@@ -1,6 +1,7 @@
 """The benchmark entry points in --quick mode: they run, and write their tables, ratios and plot."""
 
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -33,9 +34,19 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return out
 
 
-def test_python_m_benchmarks_quick_writes_the_tables_ratios_and_plot(tmp_path):
-    out = _run("-m", "benchmarks", "--quick", "--out", str(tmp_path))
-    text = (tmp_path / "RESULTS.md").read_text()
+def test_run_py_as_a_script_writes_the_tables_ratios_and_plot_in_its_section_only(tmp_path):
+    """`python benchmarks/run.py --quick` (a script: it makes `benchmarks` importable itself)
+    into a RESULTS.md with prose around a stale generated section: the tables, ratios and plot
+    are written, and only the section is rewritten. One run for what were two tests (this one
+    and `python -m benchmarks --quick`); `-m benchmarks` is the same `main`, checked below."""
+    results = tmp_path / "RESULTS.md"
+    before = "# Results\n\nHand-written prose.\n\n<!-- generated:start -->\nstale\n"
+    after = "<!-- generated:end -->\n\n## Earlier runs\n\nMore prose.\n"
+    results.write_text(before + after)
+    out = _run("benchmarks/run.py", "--quick", "--out", str(tmp_path))
+    text = results.read_text()
+    assert text.startswith("# Results\n\nHand-written prose.\n\n<!-- generated:start -->\n")
+    assert text.endswith(after) and "stale" not in text
     for heading in ("The ratios the targets are about", "(a) Framework overhead"):
         assert f"### {heading}" in text
     for heading in ("(b) Real training", "(c) Scaling"):
@@ -49,23 +60,20 @@ def test_python_m_benchmarks_quick_writes_the_tables_ratios_and_plot(tmp_path):
         assert re.search(rf"\| {name} +\| +[\d.]+ +\|( [\d.]+x +\|){{2}} +[\d.]+ +\| [\d.]+x", text)
     assert re.search(r"\| +blocks \|", text) and re.search(r"\| +ranks \|", text)  # (c)
     assert f"torch {torch.__version__}" in text and "cores" in text  # the machine
-    assert "- Command: `" in text and "-m benchmarks --quick" in text and "- Date: " in text
+    assert "- Command: `" in text and "benchmarks/run.py --quick" in text and "- Date: " in text
     assert "](results.png)" in text
     assert (tmp_path / "results.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
-def test_run_py_as_a_script_rewrites_only_its_generated_section(tmp_path):
-    results = tmp_path / "RESULTS.md"
-    before = "# Results\n\nHand-written prose.\n\n<!-- generated:start -->\nstale\n"
-    after = "<!-- generated:end -->\n\n## Earlier runs\n\nMore prose.\n"
-    results.write_text(before + after)
-    tiny = ("--quick", "--blocks", "1", "--world-sizes", "1")
-    _run("benchmarks/run.py", *tiny, "--out", str(tmp_path))
-    text = results.read_text()
-    assert text.startswith("# Results\n\nHand-written prose.\n\n<!-- generated:start -->\n")
-    assert text.endswith(after) and "stale" not in text
-    assert "### The ratios the targets are about" in text
-    assert (tmp_path / "results.png").read_bytes()[:8] == PNG_SIGNATURE
+def test_python_m_benchmarks_is_run_py(monkeypatch):
+    """`python -m benchmarks` (the command README and benchmarks/README give) calls run.py's
+    main, run here as -m runs it (runpy, as __main__) without a second benchmark run."""
+    from benchmarks import run
+
+    calls = []
+    monkeypatch.setattr(run, "main", lambda: calls.append("run.main"))
+    runpy.run_module("benchmarks", run_name="__main__")
+    assert calls == ["run.main"]
 
 
 def test_gpu_script_on_cpu_runs_the_same_comparison_and_says_it_is_no_gpu_figure(tmp_path):

@@ -5,12 +5,15 @@ import importlib
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import layout_stats  # noqa: E402
 
 
+@pytest.mark.quick
 def test_no_module_is_over_the_line_limit_and_no_imports_go_round_in_a_circle():
     found = layout_stats.stats(ROOT)
     assert found["over_limit"] == [], found["over_limit"]

@@ -28,7 +28,14 @@ EXAMPLES = [
 BLOCKS = _blocks(README)
 
 
-@pytest.mark.parametrize("code", [c for _, c in EXAMPLES], ids=[i for i, _ in EXAMPLES])
+# README's own blocks (the first sharded step a newcomer runs) are in the quick lane too.
+@pytest.mark.parametrize(
+    "code",
+    [
+        pytest.param(c, id=i, marks=[pytest.mark.quick] if i.startswith("README") else [])
+        for i, c in EXAMPLES
+    ],
+)
 def test_readme_example_runs(code, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(code)

@@ -127,7 +127,11 @@ def test_the_demo_killed_mid_run_resumes_and_ends_exactly_as_an_uninterrupted_ru
         timeout=300,
     )
     assert again.returncode == 0, again.stderr[-2000:]
-    assert f"resumed from step {saved} " in again.stdout
+    assert f"resumed from step {saved} ({directory})" in again.stdout
+    # the bar counts the whole run, and a resumed run skips the parity replay, saying why
+    # (this is where tests/cli/test_demo.py's resume test went: the same two launches)
+    assert "training: 100%" in again.stdout and "20/20" in again.stdout
+    assert "skipped (a resumed or bf16 run" in again.stdout
     # the same final parameters: the same last loss and the same greedy sample
     assert _outcome(again.stdout) == whole
 

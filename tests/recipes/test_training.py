@@ -123,6 +123,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.quick
 def test_sharded_training_matches_single_process_training(name):
     config = CONFIGS[name]
     world = config["mesh"].get("replicate", 1) * config["mesh"].get("shard", 1)

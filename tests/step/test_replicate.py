@@ -53,6 +53,7 @@ def _against_ddp(comm_dtype, rank: int) -> dict:
     return {"errors": errors, "buckets": len(state.layout.flats)}
 
 
+@pytest.mark.quick
 def test_replicate_matches_ddp_after_three_sgd_momentum_steps():
     for rank, r in enumerate(testing.run(functools.partial(_against_ddp, None), world_size=2)):
         assert r["buckets"] >= 3

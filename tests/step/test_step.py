@@ -47,6 +47,7 @@ def _one_step_trace(mesh_kwargs: dict, reshard, rank: int) -> list:
         ({"replicate": 2}, True, 2, {"all_reduce": 4}),  # DDP: gathers over a size-1 axis are free
     ],
 )
+@pytest.mark.quick
 def test_one_step_communicates_exactly_the_formula_and_the_same_on_every_rank(
     mesh_kwargs, reshard, world, expected
 ):

@@ -43,6 +43,7 @@ def _tensor_roundtrip(scale: float, rank: int) -> torch.Tensor:
     return torch.arange(4.0) * scale + rank
 
 
+@pytest.mark.quick
 def test_run_returns_results_in_rank_order_after_a_real_collective():
     assert testing.run(_sum_of_ranks, world_size=2) == [(0, 3.0), (1, 3.0)]
     assert testing.run(_sum_of_ranks, world_size=3) == [(0, 6.0), (1, 6.0), (2, 6.0)]
