@@ -68,14 +68,21 @@ def owners(numels: tuple[int, ...], shard_size: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def loads(numels: tuple[int, ...], owner: tuple[int, ...], shard_size: int) -> tuple[int, ...]:
+    """Each rank's elements of whole parameters: what its shard holds before the padding,
+    and all an uneven exchange sends of it (see [Note: the uneven exchange] in
+    funcshard/comm/_exchange.py)."""
+    out = [0] * shard_size
+    for numel, rank in zip(numels, owner, strict=True):
+        out[rank] += numel
+    return tuple(out)
+
+
 def owned_offsets(
     numels: tuple[int, ...], owner: tuple[int, ...], shard_size: int
 ) -> tuple[tuple[int, ...], int]:
     """Each parameter's offset in the owned buffer and the shard numel (the largest load)."""
-    loads = [0] * shard_size
-    for numel, rank in zip(numels, owner, strict=True):
-        loads[rank] += numel
-    shard_numel = max(loads, default=0)
+    shard_numel = max(loads(numels, owner, shard_size), default=0)
     cursor = [r * shard_numel for r in range(shard_size)]
     offsets = []
     for numel, rank in zip(numels, owner, strict=True):

@@ -129,3 +129,64 @@ def test_placement_is_recorded_per_unit_and_refuses_bad_input():
         fs.plan(model, policy=blocks, placement=lambda u: "own")
     with pytest.raises(TypeError, match=r"placement must be 'even', 'owned', a mapping"):
         fs.plan(model, policy=blocks, placement=3)
+
+
+class _CountingSends:
+    """A gloo exchange's carrier group that adds the bytes of every send to `counted`: what
+    this rank puts on the wire, whatever the records say."""
+
+    def __init__(self, group, counted: list[int]) -> None:
+        self._group, self._counted = group, counted
+
+    def send(self, tensors, peer, tag):
+        self._counted[0] += sum(t.numel() * t.element_size() for t in tensors)
+        return self._group.send(tensors, peer, tag)
+
+    def recv(self, tensors, peer, tag):
+        return self._group.recv(tensors, peer, tag)
+
+
+def _step_bytes(rank: int) -> dict:
+    """One AdamW step on FSDP-4 per placement (blocks owned, or all even): the parameters
+    after it, the bytes this rank's exchanges sent (counted at gloo's send) and what
+    `collectives.record()` says they sent."""
+    from funcshard.comm import _collectives as collectives
+    from funcshard.comm import _exchange as exchange
+
+    out, carrier = {}, exchange._carrier
+    for name, placement in (("even", "even"), ("owned", {Block: "owned"})):
+        model = _model()
+        plan = fs.plan(model, policy=fs.policy.module_classes({Block}), placement=placement)
+        state = fs.shard(model, plan, fs.Mesh(shard=4))
+        opt = fs.optim.adamw(LR, eps=EPS)
+        opt_state = opt.init(state)
+        x, y = _batch(0)
+        mine = x.chunk(4)[rank], y.chunk(4)[rank]
+        counted = [0]
+        exchange._carrier = lambda g, s, d, c=counted: _CountingSends(carrier(g, s, d), c)
+        try:
+            with collectives.record() as log:
+                _, grads = fs.value_and_grad(functools.partial(_loss, model))(state, *mine)
+                state, opt_state = opt.step(grads, opt_state, state)
+        finally:
+            exchange._carrier = carrier
+        exchanged = [r for r in log if r.op in ("all_gather", "reduce_scatter")]
+        padded = sum(f.padded_numel - f.numel for f in state.layout.flats)
+        out[name] = {"params": fs.unshard(state), "sent": counted[0], "padded": padded,
+                     "recorded": collectives.bytes_sent(exchanged)}  # fmt: skip
+    return out
+
+
+def test_owned_exchange_sends_no_padding():
+    """On gloo an owned unit's all-gathers and reduce-scatters send no padding: over FSDP-4
+    (blocks owned, whose padding is a few thousand elements) the ranks together send no more
+    bytes per step than the even placement (with padding sent, they sent more), each rank
+    what `collectives.record()` says it sent, and the step's result is the even one's."""
+    results = testing.run(_step_bytes, world_size=4)
+    for got in results:
+        assert got["owned"]["padded"] > got["even"]["padded"]  # padding exists
+        assert_trees_close(got["owned"]["params"], got["even"]["params"], rtol=1e-5, atol=1e-6)
+        for name in ("even", "owned"):
+            assert got[name]["sent"] == got[name]["recorded"], name
+    owned, even = (sum(got[name]["sent"] for got in results) for name in ("owned", "even"))
+    assert owned <= even, (owned, even)
