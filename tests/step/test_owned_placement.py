@@ -102,7 +102,8 @@ def test_owned_training_equals_one_process(case):
 
 def test_placement_is_recorded_per_unit_and_refuses_bad_input():
     """The plan records each unit's placement (fingerprint included); on a shard axis of one
-    rank owned lays out as even; an unknown name, a mapping naming no unit, a bad callable
+    rank owned lays out as even; fs.estimate counts owned units' sends unpadded on cpu
+    (gloo) and padded on cuda; an unknown name, a mapping naming no unit, a bad callable
     result are refused naming them."""
     model = _model()
     blocks = fs.policy.module_classes({Block})
@@ -120,6 +121,10 @@ def test_placement_is_recorded_per_unit_and_refuses_bad_input():
         assert nbytes == sum(f.shard_numel * f.dtype.itemsize for f in flats)
     assert per_rank["blocks.0"] > even.units[0].bytes_per_rank(2)
     assert layout_of(owned, None, 1).flats == layout_of(even, None, 1).flats
+    sent = {(p, d): fs.estimate(plan, 4, device=d).sent_per_step
+            for p, plan in (("owned", owned), ("even", even)) for d in ("cpu", "cuda")}  # fmt: skip
+    assert sent["owned", "cpu"] <= sent["even", "cpu"] == sent["even", "cuda"]  # gloo: unpadded
+    assert sent["owned", "cuda"] > sent["even", "cuda"]  # NCCL: the padding is sent
     assert layout_of(owned, None, 2).flats != layout_of(even, None, 2).flats
     with pytest.raises(ValueError, match=r"must be one of \['even', 'owned'\], got 'rows'"):
         fs.plan(model, policy=blocks, placement="rows")
