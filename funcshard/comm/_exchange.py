@@ -79,7 +79,10 @@ load less the mean (a few percent of a block in practice, +25% of the gathered b
 the 10M GPT at 4 ranks), the padded collective is the one to keep until a GPU run shows
 otherwise. The fake group communicates nothing, so padding costs it nothing. Traced steps
 (make_fx, `fs.compile`) issue functional collectives, which have no uneven all-gather the
-compiler could place, so their graphs keep the padded ops.
+compiler could place, so their graphs keep the padded ops. On gloo too, three paths still
+send padding: a user's `Comm` (it is given the padded shard), the regather from k-rank
+slices (`reshard_after_forward=k`, over a group whose ranks hold slices, not loads), and
+HSDP's all-reduce across replicas (of the shard, padding included).
 """
 
 from __future__ import annotations
