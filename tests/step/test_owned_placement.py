@@ -195,3 +195,41 @@ def test_owned_exchange_sends_no_padding():
             assert got[name]["sent"] == got[name]["recorded"], name
     owned, even = (sum(got[name]["sent"] for got in results) for name in ("owned", "even"))
     assert owned <= even, (owned, even)
+
+
+def _uneven_collectives(rank: int) -> dict:
+    """An uneven all-gather and reduce-scatter on 4 ranks where two ranks own nothing: loads
+    (5, 0, 3, 0) of shards of 5 elements, padding filled with garbage the exchange must not
+    send."""
+    from funcshard.comm import _collectives as collectives
+
+    loads, group = (5, 0, 3, 0), fs.Mesh(shard=4).shard_group
+    torch.manual_seed(rank)
+    shard = torch.randn(5)
+    shard[loads[rank] :] = 1e9  # sent, it would show
+    flat = torch.randn(20)
+    for p, load in enumerate(loads):
+        flat[p * 5 + load : (p + 1) * 5] = 1e9
+    with collectives.record() as log:
+        gathered = collectives.all_gather(shard, group, "u", loads).wait()
+        reduced = collectives.reduce_scatter(flat, group, "avg", "u", loads=loads).wait()
+    return {"shard": shard, "flat": flat, "gathered": gathered, "reduced": reduced,
+            "sent": collectives.bytes_sent(log)}  # fmt: skip
+
+
+def test_an_uneven_exchange_sends_each_ranks_load_and_zeroes_the_rest():
+    """Ranks owning nothing exchange no message; each chunk holds its owner's load, then
+    zeros; the reduce-scatter averages the owner's load and leaves zeros after it; each rank
+    records the elements it sent."""
+    loads = (5, 0, 3, 0)
+    results = testing.run(_uneven_collectives, world_size=4)
+    for rank, got in enumerate(results):
+        own = got["shard"][: loads[rank]]
+        expected = torch.cat([torch.cat([r["shard"][:n], torch.zeros(5 - n)])
+                              for r, n in zip(results, loads, strict=True)])  # fmt: skip
+        expected[rank * 5 : rank * 5 + 5] = got["shard"]  # its own chunk: its whole shard
+        torch.testing.assert_close(got["gathered"], expected, rtol=0, atol=0)
+        mean = sum(r["flat"][rank * 5 : rank * 5 + loads[rank]] for r in results) / 4
+        torch.testing.assert_close(got["reduced"][: loads[rank]], mean)
+        assert got["reduced"][loads[rank] :].eq(0).all()
+        assert got["sent"] == 4 * (3 * own.numel() + sum(loads) - loads[rank])
