@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -42,8 +41,12 @@ from funcshard.comm import _failures as failures
 from funcshard.comm import _fp16_mean as fp16_mean
 from funcshard.comm import _meta_groups as meta_groups
 from funcshard.comm import _progress as progress
+from funcshard.comm import _records as records
 from funcshard.comm import _streams as streams
 from funcshard.comm import _trail as trail
+from funcshard.comm._records import Record as Record
+from funcshard.comm._records import bytes_sent as bytes_sent
+from funcshard.comm._records import record as record
 
 _ops = torch.ops._c10d_functional
 
@@ -79,48 +82,6 @@ def _below_autograd() -> contextlib.AbstractContextManager:
     if torch.compiler.is_dynamo_compiling():
         return contextlib.nullcontext()
     return torch._C._AutoDispatchBelowAutograd()
-
-
-@dataclass(frozen=True)
-class Record:
-    """One collective as issued: for tests that check communication against a formula."""
-
-    op: str
-    ranks: tuple[int, ...]
-    numel: int
-    dtype: torch.dtype
-
-
-_recording: list[list[Record]] = []
-
-
-def bytes_sent(records: list[Record]) -> int:
-    """Bytes one rank sends for these collectives with ring algorithms: an all-gather sends its
-    shard to the group's other ranks, a reduce-scatter (size - 1) of its chunks, an all-reduce
-    2 (size - 1) / size of its buffer."""
-    sent = 0
-    for r in records:
-        size, item = len(r.ranks), r.dtype.itemsize
-        if r.op == "all_gather":
-            sent += (size - 1) * r.numel * item
-        elif r.op in ("reduce_scatter", "all_to_all"):
-            sent += (size - 1) * (r.numel // size) * item
-        else:
-            sent += 2 * (size - 1) * r.numel * item // size
-    return sent
-
-
-@contextlib.contextmanager
-def record() -> Iterator[list[Record]]:
-    """Collect every collective issued inside the block (size-1 groups issue none), eagerly
-    or under make_fx; not those inside a torch.compile'd graph (see [Note: bookkeeping
-    outside compiled graphs]). Blocks nest: each collects what was issued inside it."""
-    log: list[Record] = []
-    _recording.append(log)
-    try:
-        yield log
-    finally:  # by identity: a nested block's log equals its outer one's (the same records)
-        del _recording[next(i for i, kept in enumerate(_recording) if kept is log)]
 
 
 class Pending:
@@ -179,18 +140,27 @@ class Pending:
         return self._tensor
 
 
-def all_gather(shard: Tensor, group: ProcessGroup, what: str | None = None) -> Pending:
+def all_gather(
+    shard: Tensor, group: ProcessGroup, what: str | None = None, loads: tuple[int, ...] = ()
+) -> Pending:
     """Concatenate every rank's 1-D `shard` in rank order: (numel * group size,).
 
-    `what` (e.g. the unit's name) only labels the error if the collective fails.
+    `what` (e.g. the unit's name) only labels the error if the collective fails. `loads`:
+    an owned unit's real elements per rank (`FlatLayout.loads`); on gloo only those are
+    sent, and the rest of each rank's chunk comes out zero (see [Note: the uneven exchange]
+    in comm/_exchange.py).
     """
     if alone(group) or meta_groups.is_meta(group):
         return Pending(meta_groups.result("all_gather", shard, group), done=True)
-    _before("all_gather", group, shard, what)
-    return _gathering(shard, group, "all_gather", what)
+    loads = _uneven(loads, shard, group)
+    sent = (group.size() - 1) * loads[group.rank()] if loads else None
+    _before("all_gather", group, shard, what, sent=sent)
+    return _gathering(shard, group, "all_gather", what, loads)
 
 
-def _gathering(shard: Tensor, group: ProcessGroup, op: str, what: str | None) -> Pending:
+def _gathering(
+    shard: Tensor, group: ProcessGroup, op: str, what: str | None, loads: tuple[int, ...] = ()
+) -> Pending:
     """Issue the all-gather itself (no count, record or check: `_agree` uses it too)."""
     eager = _eager(shard)
     work: dist.Work | exchange.Exchange
@@ -198,7 +168,7 @@ def _gathering(shard: Tensor, group: ProcessGroup, op: str, what: str | None) ->
         with _below_autograd():
             # a check's own gather compares what differs, so its header must not
             header_what = what if op == "all_gather" else None
-            out, work = exchange.all_gather(shard.detach(), group, header_what)
+            out, work = exchange.all_gather(shard.detach(), group, header_what, loads)
         return Pending(out, op=op, group=group, what=what, work=work)
     if eager:
         out = shard.new_empty(shard.numel() * group.size())  # on the compute stream
@@ -211,24 +181,34 @@ def _gathering(shard: Tensor, group: ProcessGroup, op: str, what: str | None) ->
 
 
 def reduce_scatter(
-    flat: Tensor, group: ProcessGroup, op: str = "avg", what: str | None = None, owned: bool = False
+    flat: Tensor,
+    group: ProcessGroup,
+    op: str = "avg",
+    what: str | None = None,
+    owned: bool = False,
+    loads: tuple[int, ...] = (),
 ) -> Pending:
     """Reduce 1-D `flat` over the group (op "avg" or "sum"); rank r keeps chunk r.
 
     `owned`: the caller hands `flat` over (it is read until the collective completes and
     never written); otherwise gloo's exchange reads a copy, so the caller may write `flat`
-    at once, as after any other collective's issue.
+    at once, as after any other collective's issue. `loads`: as for `all_gather`; on gloo
+    only each chunk's first `loads[r]` elements are sent and summed, the rest is zero.
     """
     if alone(group) or meta_groups.is_meta(group):
         return Pending(meta_groups.result("reduce_scatter", flat, group), done=True)
-    _before("reduce_scatter", group, flat, what)
+    loads = _uneven(loads, flat, group)
+    sent = sum(loads) - loads[group.rank()] if loads else None
+    _before("reduce_scatter", group, flat, what, sent=sent)
     eager = _eager(flat)
     divided, op, post = fp16_mean.divided(flat, op, group.size(), owned)
     owned, flat = owned or divided is not flat, divided  # (a divided copy is ours)
     work: dist.Work | exchange.Exchange
     if eager and exchange.is_gloo(group):
         with _below_autograd():
-            out, work = exchange.reduce_scatter(flat if owned else flat.clone(), group, op, what)
+            out, work = exchange.reduce_scatter(
+                flat if owned else flat.clone(), group, op, what, loads
+            )
         return Pending(out, op="reduce_scatter", group=group, what=what, work=work, post=post)
     if eager:
         out = flat.new_empty(flat.numel() // group.size())  # on the compute stream
@@ -260,6 +240,15 @@ def reduce_scatter(
 # through the process group's methods (benchmarks/overhead_matrix.py). Same collectives,
 # same order, same results; on NCCL, `Work.wait()` makes the current stream wait, as
 # `wait_tensor` does.
+
+
+def _uneven(loads: tuple[int, ...], tensor: Tensor, group: ProcessGroup) -> tuple[int, ...]:
+    """`loads` where the collective runs as a gloo exchange (eager), else (): NCCL, the fake
+    group and traced steps send the padded buffer (see [Note: the uneven exchange])."""
+    if not loads or not _eager(tensor) or not exchange.is_gloo(group):
+        return ()
+    assert len(loads) == group.size(), (loads, group.size())  # the layout's, of this group
+    return loads
 
 
 def _eager(tensor: Tensor) -> bool:
@@ -424,11 +413,17 @@ def all_reduced(tensor: Tensor, group: ProcessGroup, op: str = "avg") -> Tensor:
 
 
 def _before(
-    op: str, group: ProcessGroup, tensor: Tensor, what: str | None, agreed: int | None = None
+    op: str,
+    group: ProcessGroup,
+    tensor: Tensor,
+    what: str | None,
+    agreed: int | None = None,
+    sent: int | None = None,
 ) -> None:
-    """Count the collective as the last issued, record it for `record()` and, on a checked
-    group, compare it across ranks (its size, or `agreed` where sizes differ by rank). None
-    of it while torch compiles (see [Note: bookkeeping outside compiled graphs])."""
+    """Count the collective as the last issued, record it for `record()` (with `sent`, the
+    elements an uneven exchange sends) and, on a checked group, compare it across ranks (its
+    size, or `agreed` where sizes differ by rank). None of it while torch compiles (see
+    [Note: bookkeeping outside compiled graphs])."""
     if torch.compiler.is_compiling():
         return
     failures.check_in_step(op, what)
@@ -436,9 +431,10 @@ def _before(
     failures.count_as_issued(op, group, tensor, what)
     numel = tensor.numel() if agreed is None else agreed
     trail.follow(op, numel, tensor.dtype, what, group.group_name)  # [Note: the collectives' trail]
-    if _recording:
-        entry = Record(op, tuple(dist.get_process_group_ranks(group)), numel, tensor.dtype)
-        for log in _recording:
+    if records.recording:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        entry = Record(op, ranks, numel, tensor.dtype, sent)
+        for log in records.recording:
             log.append(entry)
     if collective_checks.checked(group):
         _agree(op, group, tensor, what, agreed)

@@ -47,6 +47,42 @@ rank's `send` waited behind the peer's data arriving on the same pair: 3-8 ms pe
 of the 14M-parameter GPT on 2 ranks. There, funcshard FSDP's step against DDP's went from
 1.009-1.031 (mean 1.020) to 0.986-1.024 (mean 0.996) in 4 pairs of alternating processes,
 and `python -m benchmarks.training` gave 0.97-0.99 in 5 runs of 5 (0.96-1.06 before).
+
+[Note: the uneven exchange]
+An owned unit's buffer is split evenly, but rank r's shard holds only `loads[r]` elements
+of whole parameters, then zero padding up to the largest rank's load (see [Note: owned
+placement] in funcshard/core/_placement.py). Its callers pass the layout's `loads` down,
+and on gloo the exchange sends no padding:
+
+- all-gather: rank r sends its peers `shard[:loads[r]]`; it receives `loads[p]` elements
+  into the start of peer p's chunk and zeroes the rest of that chunk (a memset: a gathered
+  buffer's padding is never read for a parameter, but zero keeps it what the padded
+  all-gather gave, so nothing downstream can tell). Its own chunk is its whole shard.
+- reduce-scatter: rank j sends peer p only `parts[p][:loads[p]]`; the owner sums the first
+  `loads[me]` elements and zeroes the rest of its result, which the padded sum of zero
+  gradients gave as well.
+
+A pair where the sender's part is empty (a rank owning nothing) exchanges no message; both
+sides know it from the same layout. The header keeps the padded numel (the same on every
+rank), and so do the trail and the collective checks; a `collectives.record()` entry
+carries what this rank sent (see [Note: recorded sizes of an uneven exchange] in
+funcshard/comm/_records.py). Each rank sends a different amount: over a step, rank r
+sends `(n - 1) * loads[r]` per all-gather and `total - loads[r]` per reduce-scatter, so
+the ranks together send what an even split of the unpadded buffer sends.
+
+Everywhere else an owned unit keeps the padded collective. NCCL's all-gather and
+reduce-scatter take equal sizes per rank; the alternative is grouped send/recv
+(`batch_isend_irecv`), which moves the real bytes but runs as n - 1 point-to-point kernels
+per rank instead of one ring or tree kernel, loses NCCL's collective algorithms (NVLS,
+rings over NVLink), and costs a launch per peer. With padding at most the largest rank's
+load less the mean (a few percent of a block in practice, +25% of the gathered bytes of
+the 10M GPT at 4 ranks), the padded collective is the one to keep until a GPU run shows
+otherwise. The fake group communicates nothing, so padding costs it nothing. Traced steps
+(make_fx, `fs.compile`) issue functional collectives, which have no uneven all-gather the
+compiler could place, so their graphs keep the padded ops. On gloo too, three paths still
+send padding: a user's `Comm` (it is given the padded shard), the regather from k-rank
+slices (`reshard_after_forward=k`, over a group whose ranks hold slices, not loads), and
+HSDP's all-reduce across replicas (of the shard, padding included).
 """
 
 from __future__ import annotations
@@ -100,11 +136,12 @@ class Exchange:
 
 
 def all_gather(
-    shard: Tensor, group: ProcessGroup, what: str | None = None
+    shard: Tensor, group: ProcessGroup, what: str | None = None, loads: tuple[int, ...] = ()
 ) -> tuple[Tensor, Exchange]:
     """Start gathering every rank's 1-D `shard` in rank order; returns the output (read it
     only after the exchange's `wait`) and the exchange. `what` (the unit) goes into the
-    header (see [Note: the exchange's header in its tag])."""
+    header (see [Note: the exchange's header in its tag]). `loads`: each rank's real
+    elements; only those are sent (see [Note: the uneven exchange])."""
     _wait_orphans(group)
     n, me = group.size(), group.rank()
     tag = _next_tag(group, header("all_gather", what, shard))
@@ -113,14 +150,26 @@ def all_gather(
         observe(out)
     chunks = out.view(n, -1)
     peers = _peers(n, me)
-    works = [_carrier(group, me, peer).send([shard], peer, tag) for peer in peers]
-    works += [_carrier(group, peer, me).recv([chunks[peer]], peer, tag) for peer in peers]
+    load = _loads(loads, n, shard.numel())
+    mine = shard[: load[me]]
+    works = [_carrier(group, me, peer).send([mine], peer, tag) for peer in peers if load[me]]
+    works += [
+        _carrier(group, peer, me).recv([chunks[peer][: load[peer]]], peer, tag)
+        for peer in peers
+        if load[peer]
+    ]
     chunks[me].copy_(shard)  # while the transport threads move the peers' parts
+    for peer in peers:
+        chunks[peer][load[peer] :].zero_()  # padding nobody sent (none when even)
     return out, Exchange(group, works)
 
 
 def reduce_scatter(
-    flat: Tensor, group: ProcessGroup, op: str, what: str | None = None
+    flat: Tensor,
+    group: ProcessGroup,
+    op: str,
+    what: str | None = None,
+    loads: tuple[int, ...] = (),
 ) -> tuple[Tensor, Exchange]:
     """Start reducing 1-D `flat` (op "avg" or "sum"); rank r's result is chunk r. Returns
     the result (read it only after the exchange's `wait`) and the exchange. Holds `flat`
@@ -131,26 +180,39 @@ def reduce_scatter(
     tag = _next_tag(group, header("reduce_scatter", what, flat))
     parts = flat.view(n, -1)
     peers = _peers(n, me)
+    load = _loads(loads, n, parts.shape[1])
     out = flat.new_empty(parts.shape[1])
-    others = flat.new_empty(n - 2, parts.shape[1]) if n > 2 else None
-    targets = [out, *(others.unbind(0) if others is not None else ())][: n - 1]
-    works = [_carrier(group, me, peer).send([parts[peer]], peer, tag) for peer in peers]
+    mine = out[: load[me]]  # what the peers send: all of `out` when even
+    others = flat.new_empty(n - 2, load[me]) if n > 2 else None
+    targets = [mine, *(others.unbind(0) if others is not None else ())][: n - 1]
+    works = [
+        _carrier(group, me, peer).send([parts[peer][: load[peer]]], peer, tag)
+        for peer in peers
+        if load[peer]
+    ]
     works += [
         _carrier(group, peer, me).recv([into], peer, tag)
         for peer, into in zip(peers, targets, strict=True)
+        if load[me]
     ]
 
     def finish() -> None:
         if n > 1:
-            out.add_(parts[me])
+            mine.add_(parts[me][: load[me]])
         else:  # one rank, under communicate_alone: nothing was received
-            out.copy_(parts[me])
+            mine.copy_(parts[me][: load[me]])
         if others is not None:
-            out.add_(others.sum(0))
+            mine.add_(others.sum(0))
+        out[load[me] :].zero_()  # the padding nobody sent (none when even)
         if op == "avg":
-            out.div_(n)
+            mine.div_(n)
 
     return out, Exchange(group, works, finish)
+
+
+def _loads(loads: tuple[int, ...], n: int, chunk: int) -> tuple[int, ...]:
+    """Each rank's elements to exchange: `loads` (an owned unit's), or whole chunks."""
+    return loads or (chunk,) * n
 
 
 def _carrier(group: ProcessGroup, source: int, destination: int) -> ProcessGroup:

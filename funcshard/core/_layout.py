@@ -59,6 +59,7 @@ class FlatLayout:
         split_sizes: tuple[int, ...] = field(init=False)
         strides: tuple[tuple[int, ...], ...] = field(init=False)
         owners: tuple[int, ...] = field(init=False)
+        loads: tuple[int, ...] = field(init=False)
         segments: tuple[tuple[int, int], ...] = field(init=False)
         piece_of: tuple[int, ...] = field(init=False)
 
@@ -72,8 +73,9 @@ class FlatLayout:
             placement_of.check_bound(self.name, self.fqns, numels, self.shard_size)
             owners = placement_of.owners(numels, self.shard_size)
             offsets, shard_numel = placement_of.owned_offsets(numels, owners, self.shard_size)
+            loads = placement_of.loads(numels, owners, self.shard_size)
         else:
-            owners = ()
+            owners = loads = ()
             offsets = tuple(itertools.accumulate(numels, initial=0))[:-1]
             shard_numel = -(-numel // self.shard_size)
         segments = _segments(numels, offsets, shard_numel * self.shard_size)
@@ -86,6 +88,7 @@ class FlatLayout:
             # (owned: the largest rank's load)
             "padded_numel": shard_numel * self.shard_size,
             "owners": owners,  # owned: each parameter's owner rank; even: ()
+            "loads": loads,  # owned: each rank's elements of whole parameters; even: ()
             # (size, parameter index or len(fqns) for padding) in buffer order
             "segments": segments,
             "split_sizes": tuple(size for size, _ in segments),

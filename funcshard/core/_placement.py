@@ -12,13 +12,15 @@ rank's load, and the rest of every shard is zero padding. So the padding is spre
 ranks instead of trailing, and a `FlatLayout`'s offsets are no longer the running sum of its
 numels: its `segments` say what lies where, in buffer order.
 
-Why this way, and not an uneven exchange that sends no padding: every collective of a step
-(all-gather, reduce-scatter, prefetch, resharding, recompute, mixed precision, HSDP, DDP,
-compile, offload) already works on one evenly split buffer with per-parameter offsets. An
-owned unit reuses all of them unchanged; only offsets and padding differ. What it costs is
-padding, sent in each all-gather and reduce-scatter: at most the largest rank's load less
-the mean. `fs.optim.whole_params` finds each parameter whole in its owner's shard and runs
-its transform there with no collective.
+Why one evenly split buffer, and not buffers of each rank's own size: every collective of
+a step (all-gather, reduce-scatter, prefetch, resharding, recompute, mixed precision, HSDP,
+DDP, compile, offload) already works on one evenly split buffer with per-parameter offsets.
+An owned unit reuses all of them unchanged; only offsets and padding differ. The padding is
+held in memory, at most the largest rank's load less the mean; on gloo it is never sent:
+the layout's `loads` (each rank's elements before its padding) go down to the exchange,
+which sends only those (see [Note: the uneven exchange] in funcshard/comm/_exchange.py).
+NCCL, the fake group and traced steps send it. `fs.optim.whole_params` finds each parameter
+whole in its owner's shard and runs its transform there with no collective.
 
 The bound: a parameter may hold at most twice an even rank's share of its buffer,
 `2 * ceil(numel / shard_size)` elements. With largest-first assignment the largest load is
@@ -29,13 +31,15 @@ padding. On a shard axis of one rank, owned is even: the layout records "even".
 
 What the padding costs, as `fs.estimate` counts it for the 10M GPT of `benchmarks.muon`
 (blocks owned, the root even, fp32; bytes each rank sends per step in gathers, regathers and
-reduce-scatters): at 2 ranks 55.4 MiB owned against 49.3 MiB even (+12%); at 4 ranks 92.4
-MiB against 74.0 MiB (+25%), because a block's largest matrices (590K elements) exceed a
-quarter of the block (443K). Even units with `whole_params` add its all-to-alls instead
-(about 3 * M * (N - 1) / N^2 elements per rank for M elements of matrices: 20 MiB at 2
-ranks, 15 MiB at 4). So at 4 ranks the padded gathers miss the issue's goal of sending no
-more than the even placement with plain AdamW; the next step is an uneven exchange
-(funcshard/comm/_exchange.py) that sends no padding, not built yet.
+reduce-scatters). Padded (device="cuda": NCCL): at 2 ranks 55.4 MiB owned against 49.3 MiB
+even (+12%); at 4 ranks 92.4 MiB against 74.0 MiB (+25%), because a block's largest
+matrices (590K elements) exceed a quarter of the block (443K). Uneven (device="cpu":
+gloo): the ranks' mean is the even placement's, 49.3 MiB at 2 ranks and 74.0 MiB at 4, so
+the issue's goal of sending no more than the even placement with plain AdamW holds on the
+mean. Each rank sends a different amount: at 4 ranks 83.5, 83.5, 73.9 and 55.1 MiB (ranks 0
+and 1 own a block's two largest matrices in every block), at 2 ranks 51.0 and 47.7 MiB.
+Even units with `whole_params` add its all-to-alls instead (about 3 * M * (N - 1) / N^2
+elements per rank for M elements of matrices: 20 MiB at 2 ranks, 15 MiB at 4).
 
 The choice of owners is a pure function of the shapes and the shard size, so every rank
 computes the same one, and a checkpoint, stored by FQN (funcshard/io/_checkpoint_dict.py), moves
@@ -68,14 +72,21 @@ def owners(numels: tuple[int, ...], shard_size: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def loads(numels: tuple[int, ...], owner: tuple[int, ...], shard_size: int) -> tuple[int, ...]:
+    """Each rank's elements of whole parameters: what its shard holds before the padding,
+    and all an uneven exchange sends of it (see [Note: the uneven exchange] in
+    funcshard/comm/_exchange.py)."""
+    out = [0] * shard_size
+    for numel, rank in zip(numels, owner, strict=True):
+        out[rank] += numel
+    return tuple(out)
+
+
 def owned_offsets(
     numels: tuple[int, ...], owner: tuple[int, ...], shard_size: int
 ) -> tuple[tuple[int, ...], int]:
     """Each parameter's offset in the owned buffer and the shard numel (the largest load)."""
-    loads = [0] * shard_size
-    for numel, rank in zip(numels, owner, strict=True):
-        loads[rank] += numel
-    shard_numel = max(loads, default=0)
+    shard_numel = max(loads(numels, owner, shard_size), default=0)
     cursor = [r * shard_numel for r in range(shard_size)]
     offsets = []
     for numel, rank in zip(numels, owner, strict=True):

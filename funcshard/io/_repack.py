@@ -38,7 +38,8 @@ class Gathered:
         if key not in self._full:
             shard = _unpacked(leaf, flat, self.mesh.shard_rank, packed).to(self.mesh.device)
             what = f"funcshard.refreeze {flat.name}"
-            self._full[key] = collectives.all_gather(shard, self.mesh.shard_group, what).wait()
+            group = self.mesh.shard_group
+            self._full[key] = collectives.all_gather(shard, group, what, flat.loads).wait()
         return self._full[key]
 
     def release(self) -> None:

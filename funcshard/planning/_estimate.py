@@ -10,7 +10,12 @@ padded to the shard size), its gradient shard, the optimizer state (what `optimi
 makes for the unit's shards on a meta state: AdamW's two moments by default), the full unit
 while gathered (in the mixed-precision param dtype), its full gradient, and the bytes the
 rank sends per step with ring collectives: an all-gather or reduce-scatter over S ranks
-sends (S - 1) shards, an all-reduce over R replicas 2 (R - 1) / R of the shard.
+sends (S - 1) shards, an all-reduce over R replicas 2 (R - 1) / R of the shard. An owned
+unit on device="cpu" (gloo) sends no padding in its all-gathers and reduce-scatters, and
+each rank a different amount (see [Note: the uneven exchange] in
+funcshard/comm/_exchange.py): for those the estimate counts the mean over the shard axis's
+ranks, (S - 1) / S of the unpadded buffer per collective; its most loaded rank sends more
+in gathers and less in reduce-scatters. On "cuda" (NCCL) they send the padded shards.
 
 `peak` is the most bytes alive at once during one training step, in whichever phase holds
 it (forward, backward, or the optimizer's update). Besides the shards, gradient shards and
@@ -231,6 +236,8 @@ def estimate(
             no GPU is needed to plan for one. The dry run follows that device's attention
             kernels (see [Note: attention kernels without the device] in
             funcshard/planning/_attention_kernels.py); default cuda where available, else cpu.
+            On "cpu" (gloo) owned units' gathers and reduce-scatters send no padding,
+            counted as the ranks' mean (see [Note: what the estimate counts]).
         capability: the GPU assumed for device="cuda", as (major, minor): (9, 0) is sm90
             (H100, H200), (8, 0) an A100, (10, 0) a B200. Decides which attention kernels
             can run.
@@ -269,8 +276,9 @@ def estimate(
     layout = _layout(plan, shard)
     names = _names(plan)
     last = next((n for n in reversed(names) if n), None)  # forward's last unit: not regathered
+    uneven = target.device == "cpu"  # gloo: owned units send no padding
     units = tuple(
-        _unit(layout, name, replicas, shard, mp, optimizer, regathered=name not in ("", last))
+        _unit(layout, name, replicas, shard, mp, optimizer, name not in ("", last), uneven)
         for name in names
     )
     if loss_fn is not None:
@@ -342,7 +350,10 @@ def _unit(
     mp: MixedPrecision | None,
     optimizer: Optimizer,
     regathered: bool = True,
+    uneven: bool = False,
 ) -> UnitEstimate:
+    """One unit's bytes per rank (see [Note: what the estimate counts]); `uneven`: an owned
+    buffer's exchanges send no padding (gloo)."""
     flats = [f for f in layout.flats if f.unit == name]
     params = grads = gathered = sent = full_grad = reduced_copy = in_flight = chunk = 0
     for flat in flats:
@@ -351,7 +362,9 @@ def _unit(
         params += flat.shard_numel * flat.dtype.itemsize
         gathered += flat.padded_numel * compute
         gathers = 2 if regathered else 1  # the root and forward's last unit: once
-        sent += gathers * (shard - 1) * flat.shard_numel * compute
+        # the ranks' mean, over the unpadded buffer where the exchange is uneven
+        exchanged = flat.numel if uneven and flat.loads else flat.padded_numel
+        sent += gathers * (shard - 1) * exchanged * compute // shard
         if flat.frozen:
             continue
         grads += flat.shard_numel * flat.dtype.itemsize
@@ -359,7 +372,7 @@ def _unit(
         reduced_copy += flat.padded_numel * reduced if cast else 0
         in_flight += flat.padded_numel * reduced
         chunk += flat.shard_numel * reduced
-        sent += (shard - 1) * flat.shard_numel * reduced  # reduce-scatter
+        sent += (shard - 1) * exchanged * reduced // shard  # reduce-scatter
         sent += 2 * (replicate - 1) * flat.shard_numel * reduced // replicate  # all-reduce
     state = _optimizer_state_bytes(layout, name, (replicate, shard), optimizer)
     return UnitEstimate(

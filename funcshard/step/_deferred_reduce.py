@@ -101,7 +101,7 @@ class _Throttle:
         mesh, unit = spec.mesh, spec.flat.unit
         if not collectives.alone(mesh.shard_group):
             pending = collectives.reduce_scatter(
-                grad, mesh.shard_group, "avg", what=unit, owned=True
+                grad, mesh.shard_group, "avg", what=unit, owned=True, loads=spec.flat.loads
             )
         elif spec.across_replicas:  # DDP: reduce in place in the buffer backward just made
             pending = collectives.all_reduce(

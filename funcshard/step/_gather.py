@@ -98,7 +98,7 @@ def issue_gather(shard: Tensor, spec: GatherSpec) -> collectives.Pending:
         data = shard.detach().to(spec.device, spec.gather_dtype, non_blocking=shard.is_pinned())
         return collectives.Pending(data, done=True)
     data = streams.copy_in(shard.detach(), spec.device, spec.gather_dtype)
-    return collectives.all_gather(data, group, what=spec.flat.unit)
+    return collectives.all_gather(data, group, what=spec.flat.unit, loads=spec.flat.loads)
 
 
 def gather(

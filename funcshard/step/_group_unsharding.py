@@ -76,8 +76,9 @@ def unshard_group_async(
         if part.source >= n:
             replicated[part.fqns[0]] = leaf.detach().clone()
             continue
-        unit = layout.flats[part.source].unit
-        pending.append((part, collectives.all_gather(leaf.detach().to(device), group, what=unit)))
+        unit, loads = layout.flats[part.source].unit, layout.flats[part.source].loads
+        gathering = collectives.all_gather(leaf.detach().to(device), group, unit, loads)
+        pending.append((part, gathering))
     return GroupUnshardHandle(tuple(pending), replicated, layout, _group_order(view))
 
 

@@ -104,8 +104,12 @@ def reduce_whole(
             grad, carry = user_reduce(full, spec, carry)
         if op == "sum":
             grad = grad * spec.axis.size
-    else:
+    elif torch.compiler.is_dynamo_compiling():
         grad = MeshAxis(mesh, "shard").reduce_scatter(full, op)
+    else:  # MeshAxis's reduce-scatter, with an owned unit's loads (see [Note: the uneven
+        # exchange] in funcshard/comm/_exchange.py)
+        what, loads = "<user reduce>", spec.flat.loads
+        grad = collectives.reduce_scatter(full, mesh.shard_group, op, what, loads=loads).wait()
     across = not (users and spec.replicated)  # a DDP buffer's user reduce was the all-reduce
     if all_reduce and across and not collectives.alone(mesh.replicate_group):
         grad = MeshAxis(mesh, "replicate").all_reduce(grad, op)

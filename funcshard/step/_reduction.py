@@ -93,7 +93,8 @@ def _reduce(
         dtype = reduce_dtype(state.mp, flat)
         grads = [None if f in flat.frozen_fqns else full_grads.get(f) for f in flat.fqns]
         padded = _padded_flat(grads, flat, dtype, mesh.device)
-        scattered.append(collectives.reduce_scatter(padded, mesh.shard_group, op, what=flat.unit))
+        group, loads = mesh.shard_group, flat.loads
+        scattered.append(collectives.reduce_scatter(padded, group, op, flat.unit, loads=loads))
     replicated_reduce = [
         None
         if p is None or not all_reduce

@@ -79,7 +79,12 @@ def unshard_async(
     pending = tuple(
         (
             layout.flats[i],
-            collectives.all_gather(state.shards[i].to(device), group, what=layout.flats[i].unit)
+            collectives.all_gather(
+                state.shards[i].to(device),
+                group,
+                what=layout.flats[i].unit,
+                loads=layout.flats[i].loads,
+            )
             if comm is None
             else gather.issue_gather(
                 state.shards[i], GatherSpec(layout.flats[i], layout.mesh, None, comm=comm)

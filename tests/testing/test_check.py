@@ -195,8 +195,8 @@ _REAL_REDUCE_SCATTER = collectives.reduce_scatter
 _REAL_ALL_REDUCE = collectives.all_reduce
 
 
-def _summed_reduce_scatter(flat, group, op="avg", what=None, owned=False):
-    return _REAL_REDUCE_SCATTER(flat, group, "sum", what=what, owned=owned)
+def _summed_reduce_scatter(flat, group, op="avg", what=None, owned=False, loads=()):
+    return _REAL_REDUCE_SCATTER(flat, group, "sum", what=what, owned=owned, loads=loads)
 
 
 def _summed_all_reduce(tensor, group, op="avg", inplace=False, what=None):
