@@ -306,7 +306,19 @@ def global_batch(case: Case, config: Config, step: int) -> tuple[Any, Any]:
 
 
 def split(tree: Any, index: int, parts: int) -> Any:
-    """Chunk `index` of `parts` of every tensor of `tree` along dim 0."""
+    """Chunk `index` of `parts` of every tensor of `tree` along dim 0, refusing a batch whose
+    rows do not split evenly: the ranks' mean losses would then weigh rows unequally, and
+    parity with one process on the global batch would fail for no fault of the step."""
+    for x in optree.tree_leaves(tree, none_is_leaf=False):
+        if isinstance(x, Tensor) and (x.dim() == 0 or x.shape[0] % parts):
+            rows = x.shape[0] if x.dim() else "no"
+            raise ValueError(
+                f"funcshard.testing: make_batch gives a tensor with {rows} rows, which do not "
+                f"split into {parts} equal parts (one per data-parallel rank, or per "
+                f"micro-batch). Make the global batch's rows a multiple of every world size "
+                f"times micro-batch count the check draws, or draw only world sizes that "
+                f"divide it."
+            )
     return optree.tree_map(
         lambda x: x.chunk(parts)[index] if isinstance(x, Tensor) else x, tree, none_is_leaf=False
     )
