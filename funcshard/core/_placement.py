@@ -113,14 +113,13 @@ def check_bound(name: str, fqns: tuple[str, ...], numels: tuple[int, ...], shard
 
 def fits(unit: Any, shard_size: int) -> bool:
     """Whether `unit` (a plan's Unit) may be owned over `shard_size` ranks: every parameter
-    within the bound of its dtype's buffer (see [Note: owned placement])."""
-    for dtype in unit.dtypes:
-        numels = [
-            math.prod(s) for s, d in zip(unit.shapes, unit.param_dtypes, strict=True) if d == dtype
-        ]
-        if max(numels, default=0) > 2 * -(-sum(numels) // shard_size):
-            return False
-    return True
+    within the bound of its buffer (one per dtype, and with `frozen="split"` the frozen
+    parameters' apart; see [Note: owned placement])."""
+    buffers: dict[tuple[Any, bool], list[int]] = {}
+    apart = set(unit.frozen_fqns) if unit.frozen_apart else set()
+    for fqn, shape, dtype in zip(unit.fqns, unit.shapes, unit.param_dtypes, strict=True):
+        buffers.setdefault((dtype, fqn in apart), []).append(math.prod(shape))
+    return all(max(n) <= 2 * -(-sum(n) // shard_size) for n in buffers.values())
 
 
 def resolved(model: nn.Module, units: Any, placement: Placement | None) -> dict[str, str]:

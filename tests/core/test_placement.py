@@ -3,12 +3,14 @@ rest zero padding, the same views whichever way a buffer is split."""
 
 import dataclasses
 import math
+import warnings
 
 import hypothesis.strategies as st
 import torch
 from hypothesis import example, given, settings
 
 import funcshard as fs
+from funcshard.core import _placement as placement
 from funcshard.core._layout import (
     FlatLayout,
     in_buffer_order,
@@ -74,3 +76,27 @@ def test_refreezing_keeps_an_owned_unit_owned():
     block = [f for f in relaid.flats if f.unit == "blocks.0"]
     assert [f.frozen for f in block] == [False, True]
     assert all(f.placement == "owned" and f.owners for f in block)
+
+
+def test_fits_says_what_the_layout_accepts_with_frozen_parameters_apart():
+    """`fits` (the recipe switch's and users' test of the bound) judged a unit as one buffer
+    per dtype, while frozen="split" lays its frozen parameters in a buffer of their own: at 4
+    ranks it said a GPT block fits and the layout then refused its qkv.weight."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2))
+    for block in model.blocks:
+        block.attn.qkv.requires_grad_(False)
+    owned_somewhere = False
+    for frozen in ("split", "warn"):
+        for shard_size in (2, 3, 4):
+            with warnings.catch_warnings():  # frozen="warn": mixed units, as asked
+                warnings.simplefilter("ignore", UserWarning)
+                chosen = fs.plan(
+                    model,
+                    policy=fs.policy.module_classes({Block}),
+                    frozen=frozen,
+                    placement=lambda u, n=shard_size: "owned" if placement.fits(u, n) else "even",
+                )
+            layout_of(chosen, None, shard_size)  # refuses a unit `fits` let through wrongly
+            owned_somewhere |= any(u.placement == "owned" for u in chosen.units)
+    assert owned_somewhere
