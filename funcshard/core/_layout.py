@@ -71,7 +71,8 @@ class FlatLayout:
         numel = sum(numels)
         if self.placement == "owned" and self.shard_size > 1:
             placement_of.check_bound(self.name, self.fqns, numels, self.shard_size)
-            owners = placement_of.owners(numels, self.shard_size)
+            first = placement_of.first_owner(self.unit, self.shard_size)
+            owners = placement_of.owners(numels, self.shard_size, first)
             offsets, shard_numel = placement_of.owned_offsets(numels, owners, self.shard_size)
             loads = placement_of.loads(numels, owners, self.shard_size)
         else:
