@@ -82,7 +82,7 @@ def _loss(model, params, x, y):
     return F.cross_entropy(fs.call(model, params, x).flatten(0, 1), y.flatten())
 
 
-def _train(mesh: str, placement: str, rank: int) -> dict:
+def _train(mesh: str, placement: str, rank: int, offload: bool = False) -> dict:
     """Muon (whole_params) on the blocks' matrices, AdamW on the rest, STEPS steps; the
     collectives each `opt.step` issued and this rank's Muon state keys."""
     replicate, shard = MESHES[mesh]
@@ -91,7 +91,7 @@ def _train(mesh: str, placement: str, rank: int) -> dict:
     model = GPT(_config())
     plan = fs.plan(model, policy=fs.policy.module_classes({Block}), placement={Block: placement})
     mesh_ = fs.Mesh(shard=shard) if replicate is None else fs.Mesh(replicate=replicate, shard=shard)
-    state = fs.shard(model, plan, mesh_)
+    state = fs.shard(model, plan, mesh_, offload=offload)
     opt = _optimizer(WHOLE[mesh])
     opt_state = opt.init(state)
     issued = []
@@ -171,3 +171,15 @@ def test_owned_whole_param_optimizers_step_without_collectives_and_equal_one_pro
         for got in even:
             assert_trees_close(got["params"], expected, rtol=1e-5, atol=1e-6)
             assert all("all_to_all" in " ".join(ops) for ops in got["issued"])
+
+
+def _offloaded_and_even(rank: int) -> tuple[dict, dict]:
+    return _train("fsdp2", "owned", rank, offload=True), _train("fsdp2", "even", rank)
+
+
+def test_owned_units_offloaded_to_the_cpu_train_as_even_units():
+    """CPU offload with owned blocks: the same values as the even placement without offload
+    after STEPS Muon + AdamW steps (1e-5), and opt.step still issues no collective."""
+    for owned, even in testing.run(_offloaded_and_even, world_size=2):
+        assert_trees_close(owned["params"], even["params"], rtol=1e-5, atol=1e-6)
+        assert owned["issued"] == [[]] * STEPS
