@@ -28,13 +28,16 @@ that shard's rank, it is read and written in place, and nothing is exchanged for
 group whose members are all such issues no collective at all. With replicas (HSDP) it is
 balanced and exchanged over the whole mesh as an even unit's member is: an owner's pieces
 are then one whole piece on one rank and none elsewhere, which the exchange handles as any
-split. The other choice, each replica repeating its owners' math in place, was measured
-slower: Muon + AdamW's optimizer step on the 10M GPT of `benchmarks.muon` on HSDP 2x2 (4
-gloo ranks, 2 shared cores, median of 6 rounds, `python -m benchmarks.muon_hsdp`) took 569
-ms owned-in-place against 329 ms through the exchange: each rank computes half the matrices
-in place against a quarter exchanged, and the all-to-alls cost less than the math they
-save, as for DDP above. Members of even units in the same group are balanced and exchanged
-as above.
+split. The other choice, each replica repeating its owners' math in place, does twice the
+math per rank (half the matrices against a quarter on HSDP 2x2). Measured with
+`python -m benchmarks.muon_hsdp` (Muon + AdamW's optimizer step, the 10M GPT of
+`benchmarks.muon`, HSDP 2x2): rank 0's own CPU time on the fake group of 4 (collectives
+free) was 216-248 ms in place against 102-109 ms through the exchange, two runs each; on
+4 gloo ranks sharing 2 busy cores the wall times were within noise (in place 490-569 ms,
+owned through the exchange 473-547, even units 329-686). The exchange moves about 3 M
+(N - 1) / N^2 elements per rank for M elements of matrices (15 MiB here), less than the
+math it saves, as for DDP above; so replicas exchange. Members of even units in the same
+group are balanced and exchanged as above.
 """
 
 from __future__ import annotations
