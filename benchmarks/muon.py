@@ -1,4 +1,4 @@
-"""Muon + AdamW: funcshard's `whole_params` Muon vs FSDP2 + torch.optim.Muon, side by side.
+"""Muon + AdamW: funcshard's owned placement and `whole_params` Muon vs FSDP2 + torch.optim.Muon.
 
     python -m benchmarks.muon [--world-sizes 2 4] [--rounds 8] [--fake] [--quick]
     python -m benchmarks.muon --state-bytes [--world-size 4]
@@ -6,9 +6,15 @@
 The usual recipe: Muon on the blocks' matrices, AdamW on the rest (embeddings, norms,
 biases), on a GPT (vocab 8192, d 384, 4 blocks, tied embedding) sharded per block and root.
 funcshard: `fs.optim.partition({"muon": fs.optim.muon(...), "adamw": fs.optim.adamw(...)})`,
-each matrix orthogonalized once per shard group, on its owner rank. FSDP2: `fully_shard` per
-block and root, `torch.optim.Muon` on the matrices (DTensors) and `torch.optim.AdamW` on the
-rest. The same labels, learning rates and batch on both.
+each matrix orthogonalized once per shard group, on its owner rank, in two placements:
+"owned" (`fs.plan(..., placement={Block: "owned"})`: each block's parameters lie whole on
+their owners, so `opt.step` sends nothing; the root stays even, since it holds no Muon
+matrix and its embedding alone is over the owned bound at 4 ranks, or at 2 ranks its owner
+would hold twice an even share) and "even" (flat shards; `whole_params` sends each matrix
+to its owner and the update back, two all-to-alls). FSDP2: `fully_shard` per block and
+root, `torch.optim.Muon` on the matrices (DTensors) and `torch.optim.AdamW` on the rest.
+The same labels, learning rates and batch on all. A fourth row, the even placement with
+plain AdamW everywhere, is the reference for bytes and memory only (not timed).
 
 - Optimizer-step time: funcshard's `opt.step(grads, opt_state, params)` against FSDP2's
   `muon.step(); adamw.step()`, each after its own forward and backward (untimed), the ranks
@@ -18,7 +24,10 @@ rest. The same labels, learning rates and batch on both.
 - Peak live tensor bytes per rank of a whole training step (`LiveTensors`, op by op, a
   DTensor counted by its local shard), parameters, gradients and
   optimizer state included: the largest rank's peak over two steps after a first one that
-  built the optimizer state (see `_peak_bytes`).
+  built the optimizer state (see `_peak_bytes`); the largest rank's and the mean.
+- Bytes sent per training step (forward, backward, optimizer) by each rank, counted from
+  the collectives actually issued (benchmarks/sent_bytes.py, [Note: counting the real
+  sends]); the largest rank's.
 - `--fake`: the same optimizer steps on torch's fake process group (rank 0 of N, one
   process, one thread): collectives cost nothing and no rank shares a core, so what remains
   is one rank's own CPU work, timed as the thread's CPU time over 3x the rounds. The fake
@@ -34,12 +43,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import functools
 import multiprocessing as mp
 import random
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 
 import optree
@@ -48,7 +57,8 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import funcshard as fs
-from benchmarks.common import FSDP2, FUNCSHARD, lm_loss, mib, ms, ratio
+from benchmarks.common import FSDP2, lm_loss, mib, ms, ratio
+from benchmarks.sent_bytes import SentBytes
 from funcshard import testing
 from funcshard.testing.memory import LiveTensors
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
@@ -56,7 +66,9 @@ from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 CFG = GPTConfig(vocab_size=8192, block_size=64, n_layer=4, n_head=6, d_model=384)
 QUICK_CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32)
 MUON_LR, ADAMW_LR = 0.02, 3e-3
-CONTENDERS = (FUNCSHARD, FSDP2)
+OWNED, EVEN, ADAMW = "owned + Muon", "even + whole_params Muon", "even + AdamW (reference)"
+CONTENDERS = (OWNED, EVEN, FSDP2)  # timed; ADAMW is metered only
+METERED = (*CONTENDERS, ADAMW)
 FAKE_ROUNDS = 3  # times the rounds on gloo: a fake round is cheap, and its median steadier
 
 
@@ -105,13 +117,27 @@ class Contender:
 
 
 class Funcshard(Contender):
-    """funcshard: the GPT sharded per block and root, muon + adamw in a partition."""
+    """funcshard: the GPT sharded per block and root, muon + adamw in a partition (or plain
+    AdamW, `muon=False`), the blocks in `placement`."""
 
-    def __init__(self, model: GPT, mesh: fs.Mesh, x: torch.Tensor, y: torch.Tensor) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        mesh: fs.Mesh,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        placement: str = "even",
+        muon: bool = True,
+    ) -> None:
         self.model = model
-        self.state = fs.shard(model, fs.plan(model, fs.policy.module_classes({Block})), mesh)
-        groups = {"muon": fs.optim.muon(MUON_LR), "adamw": fs.optim.adamw(ADAMW_LR)}
-        self.opt = fs.optim.partition(groups, label)
+        policy = fs.policy.module_classes({Block})
+        plan = fs.plan(model, policy, placement={Block: placement})
+        self.state = fs.shard(model, plan, mesh)
+        if muon:
+            groups = {"muon": fs.optim.muon(MUON_LR), "adamw": fs.optim.adamw(ADAMW_LR)}
+            self.opt = fs.optim.partition(groups, label)
+        else:
+            self.opt = fs.optim.adamw(ADAMW_LR)
         self.opt_state = self.opt.init(self.state)
         self.x, self.y = x, y
         self.grads = None
@@ -165,21 +191,37 @@ class Fsdp2(Contender):
 
 
 def _builders(spec: MuonSpec, world: int, x: torch.Tensor, y: torch.Tensor, model: GPT):
+    """The timed contenders and, last, the AdamW reference (metered only)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    def funcshard(placement: str, muon: bool = True):
+        mesh = fs.Mesh(shard=world)
+        return lambda: Funcshard(copy.deepcopy(model), mesh, x, y, placement, muon)
+
     return {
-        FUNCSHARD: lambda: Funcshard(copy.deepcopy(model), fs.Mesh(shard=world), x, y),
+        OWNED: funcshard("owned"),
+        EVEN: funcshard("even"),
         FSDP2: lambda: Fsdp2(copy.deepcopy(model), init_device_mesh("cpu", (world,)), x, y),
+        ADAMW: funcshard("even", muon=False),
     }
 
 
-def _peak_bytes(build, steps: int) -> int:
+def _metered(build, steps: int) -> tuple[int, int]:
+    """`_peak_bytes`, then the bytes this rank sends in one more training step."""
+    contender = build()
+    peak = _peak_bytes(contender, steps)
+    with SentBytes() as sent:
+        contender.grad()
+        contender.step()
+    return peak, sent.bytes
+
+
+def _peak_bytes(contender: Contender, steps: int) -> int:
     """Peak live tensor bytes of `steps` whole training steps, after one that built the
     optimizer state. The count starts before that first step, with the parameters (and
     any optimizer state) adopted, so that what the first step makes and later steps reuse
     is counted too: FSDP2's unsharded parameters live in storages it resizes to zero
     after use and back before the next, which a count started later would never see."""
-    contender = build()
     with LiveTensors() as meter:
         meter.adopt(contender.held())
         contender.grad()
@@ -224,20 +266,27 @@ def _rank(spec: MuonSpec, rank: int) -> dict:
     model = GPT(spec.cfg)
     x, y = random_tokens(spec.cfg, spec.batch, seed=rank)
     builders = _builders(spec, world, x, y, model)
-    peaks = {n: _peak_bytes(b, spec.memory_steps) for n, b in builders.items()}
-    contenders = {n: b() for n, b in builders.items()}
+    metered = {n: _metered(b, spec.memory_steps) for n, b in builders.items()}
+    contenders = {n: builders[n]() for n in CONTENDERS}
     times = _timed(contenders, spec.warmup, spec.rounds, dist.barrier)
-    return {"peaks": peaks, "times": times}
+    return {
+        "peaks": {n: peak for n, (peak, _) in metered.items()},
+        "sent": {n: sent for n, (_, sent) in metered.items()},
+        "times": times,
+    }
 
 
 @dataclass(frozen=True)
 class MuonResult:
-    """One world size on gloo: times averaged over ranks, the largest rank's peak."""
+    """One world size on gloo: times averaged over ranks; peaks (largest rank's and mean)
+    and bytes sent per step (largest rank's) of the contenders and the AdamW reference."""
 
     world_size: int
     step: dict[str, float]  # seconds, optimizer step
     train: dict[str, float]  # seconds, forward + backward + optimizer
     peaks: dict[str, int]
+    mean_peaks: dict[str, float]
+    sent: dict[str, int]
 
 
 def measure(spec: MuonSpec, world_size: int) -> MuonResult:
@@ -250,39 +299,66 @@ def measure(spec: MuonSpec, world_size: int) -> MuonResult:
         world_size,
         step={n: median(n, "step") for n in CONTENDERS},
         train={n: median(n, "train") for n in CONTENDERS},
-        peaks={n: max(r["peaks"][n] for r in results) for n in CONTENDERS},
+        peaks={n: max(r["peaks"][n] for r in results) for n in METERED},
+        mean_peaks={n: statistics.mean(r["peaks"][n] for r in results) for n in METERED},
+        sent={n: max(r["sent"][n] for r in results) for n in METERED},
     )
 
 
-def table(results: list[MuonResult], fmt: str = "simple") -> str:
-    rows = [
-        [
-            r.world_size,
-            ms(r.step[FUNCSHARD]),
-            ms(r.step[FSDP2]),
-            ratio(r.step[FUNCSHARD], r.step[FSDP2]),
-            ms(r.train[FUNCSHARD]),
-            ms(r.train[FSDP2]),
-            ratio(r.train[FUNCSHARD], r.train[FSDP2]),
-            mib(r.peaks[FUNCSHARD]),
-            mib(r.peaks[FSDP2]),
-            ratio(r.peaks[FUNCSHARD], r.peaks[FSDP2]),
-        ]
-        for r in results
-    ]
+def _cell(values: dict[str, float], name: str, show) -> str:
+    return show(values[name]) if name in values else ""
+
+
+def table(
+    results: list[MuonResult], fake: dict[int, dict[str, float]] | None = None, fmt: str = "simple"
+) -> str:
+    """One row per world size and contender: gloo's times, the fake group's optimizer step
+    (and its ratio to FSDP2's), peaks and bytes sent; the AdamW reference row is metered
+    only."""
+    rows = []
+    for r in results:
+        f = (fake or {}).get(r.world_size, {})
+        for n in METERED:
+            rows.append(
+                [
+                    r.world_size,
+                    n,
+                    _cell(r.step, n, ms),
+                    _cell(f, n, ms),
+                    ratio(f[n], f[FSDP2]) if n in f else "",
+                    _cell(r.train, n, ms),
+                    mib(r.peaks[n]),
+                    mib(int(r.mean_peaks[n])),
+                    mib(r.sent[n]),
+                ]
+            )
     headers = [
         "ranks",
-        "opt step ms: funcshard",
-        "FSDP2",
-        "ratio",
-        "train step ms: funcshard",
-        "FSDP2",
-        "ratio",
-        "peak MiB/rank: funcshard",
-        "FSDP2",
-        "ratio",
+        "contender",
+        "opt step ms: gloo",
+        "fake",
+        "fake vs FSDP2",
+        "train step ms: gloo",
+        "peak MiB/rank: max",
+        "mean",
+        "MiB sent/step",
     ]
-    return tabulate(rows, headers, fmt)
+    return tabulate(rows, headers, fmt, disable_numparse=True)
+
+
+def goals(results: list[MuonResult], fake: dict[int, dict[str, float]] | None = None) -> str:
+    """The issue's three goals at the largest world size, as measured (met or not)."""
+    r = max(results, key=lambda r: r.world_size)
+    f = (fake or {}).get(r.world_size)
+    lines = [f"Goals at {r.world_size} ranks (owned + Muon):"]
+    if f:
+        got = f[OWNED] / f[FSDP2]
+        lines.append(f"- opt step vs FSDP2's, fake group: {got:.2f}x (goal <= 0.25x)")
+    got = r.sent[OWNED] / r.sent[ADAMW]
+    lines.append(f"- bytes sent per step vs even + AdamW: {got:.2f}x (goal <= 1.00x)")
+    got = r.peaks[OWNED] / r.peaks[EVEN]
+    lines.append(f"- peak per rank (max) vs even + whole_params: {got:.2f}x (goal <= 1.10x)")
+    return "\n".join(lines)
 
 
 def _fake(spec: MuonSpec, world_size: int) -> dict[str, float]:
@@ -293,12 +369,14 @@ def _fake(spec: MuonSpec, world_size: int) -> dict[str, float]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")  # the fake group's buffers are garbage: never mind them
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         torch.manual_seed(0)
         model = GPT(spec.cfg)
         x, y = random_tokens(spec.cfg, spec.batch, seed=0)
-        contenders = {n: b() for n, b in _builders(spec, world_size, x, y, model).items()}
+        builders = _builders(spec, world_size, x, y, model)
+        contenders = {n: builders[n]() for n in CONTENDERS}
         times = _timed(
             contenders, spec.warmup, spec.rounds * FAKE_ROUNDS, lambda: None, time.thread_time
         )
@@ -311,14 +389,6 @@ def measure_fake(spec: MuonSpec, world_size: int) -> dict[str, float]:
     """`_fake` in a fresh spawned process (the fake group is the process's default group)."""
     with mp.get_context("spawn").Pool(1) as pool:
         return pool.apply(_fake, (spec, world_size))
-
-
-def fake_table(times: dict[int, dict[str, float]], fmt: str = "simple") -> str:
-    rows = [
-        [w, ms(t[FUNCSHARD]), ms(t[FSDP2]), ratio(t[FUNCSHARD], t[FSDP2])] for w, t in times.items()
-    ]
-    headers = ["fake ranks", "opt step ms: funcshard", "FSDP2", "ratio"]
-    return tabulate(rows, headers, fmt)
 
 
 # -- optimizer-state bytes ---------------------------------------------------------------
@@ -404,15 +474,14 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for w in args.world_sizes:
         results.append(measure(spec, w))
-        print(f"  {w} ranks done", flush=True)
+        print(f"  {w} gloo ranks done", flush=True)
+    fake = {w: measure_fake(spec, w) for w in args.world_sizes} if args.fake else None
     sizes = " and ".join(map(str, args.world_sizes))
     print(spec.describe(f"{sizes} gloo ranks"))
-    print(table(results, "github"))
-    if args.fake:
-        fake = {w: measure_fake(spec, w) for w in args.world_sizes}
-        fake_spec = dataclasses.replace(spec, rounds=spec.rounds * FAKE_ROUNDS)
-        print(fake_spec.describe(f"fake group of {sizes} (rank 0, one thread, its CPU time)"))
-        print(fake_table(fake, "github"))
+    if fake:
+        print(f"fake group: rank 0, one thread, its CPU time, {spec.rounds * FAKE_ROUNDS} rounds")
+    print(table(results, fake, "github"))
+    print(goals(results, fake))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ needs per rank before launching it, check the sharding laws on your own model, t
 sharded training run, check a checkpoint.
 
   funcshard plan MODULE:FACTORY|CONFIG.json --world-size N [--mesh RxS] [--mp bf16]
-                 [--tokens BxT [--loss MODULE:FN]] [--device cuda] [--checkpointing]
+                 [--placement even|owned] [--tokens BxT [--loss MODULE:FN]] [--device cuda]
+                 [--checkpointing]
   funcshard check MODULE:FACTORY --batch MODULE:FACTORY [--loss MODULE:FN] [--quick]
   funcshard demo [--nproc 2] [--steps 300] [--mode fsdp|hsdp|replicate]
   funcshard checkpoint verify PATH
@@ -32,6 +33,7 @@ from funcshard.cli._demo import add_arguments as add_demo_arguments
 from funcshard.cli._demo import from_arguments as demo_config
 from funcshard.cli._demo import run as run_demo
 from funcshard.cli._loading import add_loss_argument, load, loss_function, unit_classes
+from funcshard.core import _placement as placement_of
 from funcshard.core._plan import plan
 from funcshard.core._policy import module_classes
 from funcshard.core._precision import MixedPrecision
@@ -86,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument("--world-size", type=int, required=True, help="ranks in all")
     planner.add_argument("--mesh", help="RxS: replicate x shard (HSDP); default 1xWORLD (FSDP)")
     planner.add_argument("--mp", choices=sorted(DTYPES), help="gather and compute in this dtype")
+    planner.add_argument(
+        "--placement",
+        choices=placement_of.PLACEMENTS,
+        default="even",
+        help="every unit's placement: even (flat shards, the default) or owned (each "
+        "parameter whole on one rank of the shard axis, for the units within owned's "
+        "bound; the others stay even); shown per unit in the table",
+    )
     planner.add_argument(
         "--reduce", choices=sorted(REDUCE), help="reduce gradients in this dtype (with --mp)"
     )
@@ -232,7 +242,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.checkpointing:
         _enable_checkpointing(model, args)
     classes = unit_classes(model, args.units, "plan")
-    planned = plan(model, policy=module_classes(classes))
+    planned = plan(model, policy=module_classes(classes), placement=_placement(args, shard))
     dtype = DTYPES.get(args.mp)
     reduce = REDUCE.get(args.reduce)
     mp = MixedPrecision(dtype, reduce) if dtype is not None or reduce is not None else None
@@ -254,12 +264,22 @@ def _plan_command(args: argparse.Namespace) -> int:
         f"{args.factory}: {sum(p.numel() for p in model.parameters()):,} parameters, "
         f"mesh {replicate}x{shard} (replicate x shard), units: "
         f"{', '.join(c.__name__ for c in classes)}"
+        + (f", placement {args.placement}" if args.placement != "even" else "")
         + (f", batch {args.tokens} tokens per rank" if args.tokens else "")
         + (", activation checkpointing" if args.checkpointing else "")
         + (f", on {_device_words(args)}" if args.tokens else "")
     )
     print(result.table())
     return 0
+
+
+def _placement(args: argparse.Namespace, shard: int) -> Any:
+    """--placement as `plan` takes it: "owned" for each unit within the owned bound over
+    `shard` ranks, "even" for the rest (the table shows which), so that one large embedding
+    does not refuse the whole plan."""
+    if args.placement == "even":
+        return "even"
+    return lambda unit: "owned" if placement_of.fits(unit, shard) else "even"
 
 
 def _config_model(path: str) -> Callable[[], nn.Module]:

@@ -111,6 +111,7 @@ class UnitEstimate:
     reduced_copy: int = 0  # the full gradient cast to the reduce dtype, if that differs
     in_flight: int = 0  # the reduce's input while it is in flight
     chunk: int = 0  # the reduce's output, in the reduce dtype
+    placement: str = "even"  # as its layout records it (see [Note: owned placement])
 
 
 @dataclass(frozen=True)
@@ -152,16 +153,21 @@ class Estimate:
         return max(values, key=values.__getitem__)
 
     def table(self, max_rows: int = 12) -> str:
-        """One row per unit (the first and last few past `max_rows`), then the totals."""
+        """One row per unit (the first and last few past `max_rows`), then the totals; a
+        placement column where some unit is not "even"."""
+        placed = any(u.placement != "even" for u in self.units)
         rows = [
             [u.name or "<root>"]
+            + ([u.placement] if placed else [])
             + [format_bytes(v) for v in (u.params, u.grads, u.optimizer, u.gathered)]
             + [format_bytes(u.full_grad), format_bytes(u.sent_per_step)]
             for u in self.units
         ]
+        headers = ["unit", *(["placement"] if placed else []), "params", "grads", "optimizer"]
+        headers += ["gathered", "full grad", "sent/step"]
         if len(rows) > max_rows:
-            rows = [*rows[: max_rows // 2 - 1], ["..."] + [""] * 6, *rows[-(max_rows // 2) :]]
-        headers = ["unit", "params", "grads", "optimizer", "gathered", "full grad", "sent/step"]
+            gap = ["..."] + [""] * (len(headers) - 1)
+            rows = [*rows[: max_rows // 2 - 1], gap, *rows[-(max_rows // 2) :]]
         what = (
             "activations included (a dry run of the step on the meta device)"
             if self.activations
@@ -169,7 +175,7 @@ class Estimate:
             "loss_fn=, args= in Python, --tokens to `funcshard plan`)"
         )
         lines = [
-            tabulate(rows, headers=headers, colalign=("left",) + ("right",) * 6),
+            tabulate(rows, headers=headers, colalign=("left",) * (1 + placed) + ("right",) * 6),
             f"per rank: {format_bytes(self.persistent)} held (params + grads + optimizer "
             f"state), {format_bytes(self.sent_per_step)} sent per step",
             f"peak: {format_bytes(self.peak)} in {self.peak_phase} (forward "
@@ -375,8 +381,19 @@ def _unit(
         sent += (shard - 1) * exchanged * reduced // shard  # reduce-scatter
         sent += 2 * (replicate - 1) * flat.shard_numel * reduced // replicate  # all-reduce
     state = _optimizer_state_bytes(layout, name, (replicate, shard), optimizer)
+    placement = "owned" if any(f.placement == "owned" for f in flats) else "even"
     return UnitEstimate(
-        name, params, grads, state, gathered, sent, full_grad, reduced_copy, in_flight, chunk
+        name,
+        params,
+        grads,
+        state,
+        gathered,
+        sent,
+        full_grad,
+        reduced_copy,
+        in_flight,
+        chunk,
+        placement,
     )
 
 

@@ -1,5 +1,6 @@
 """`funcshard plan`: its estimates against a real 2-rank run, and the command itself."""
 
+import re
 import subprocess
 import sys
 import uuid
@@ -68,6 +69,16 @@ def test_the_plan_command_prints_per_unit_and_total_bytes():
     assert "blocks.0" in out.stdout and "<root>" in out.stdout
     assert "KiB held (params + grads + optimizer state)" in out.stdout
     assert "peak: " in out.stdout and "activations not included" in out.stdout
+    assert "placement" not in out.stdout  # all even: no placement column
+
+
+def test_the_plan_command_owns_the_units_within_the_bound_and_shows_each_placement():
+    # 4 ranks: the root's embedding is over owned's bound, so the root stays even
+    out = _plan_command("--world-size", "4", "--placement", "owned")
+    assert out.returncode == 0, out.stderr
+    assert "placement owned" in out.stdout
+    rows = dict(re.findall(r"^(blocks\.\d|<root>) +(even|owned) ", out.stdout, re.M))
+    assert rows == {"blocks.0": "owned", "blocks.1": "owned", "<root>": "even"}, out.stdout
 
 
 def test_the_plan_command_names_a_bad_mesh():

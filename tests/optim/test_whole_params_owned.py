@@ -82,7 +82,7 @@ def _loss(model, params, x, y):
     return F.cross_entropy(fs.call(model, params, x).flatten(0, 1), y.flatten())
 
 
-def _train(mesh: str, placement: str, rank: int) -> dict:
+def _train(mesh: str, placement: str, rank: int, offload: bool = False) -> dict:
     """Muon (whole_params) on the blocks' matrices, AdamW on the rest, STEPS steps; the
     collectives each `opt.step` issued and this rank's Muon state keys."""
     replicate, shard = MESHES[mesh]
@@ -91,7 +91,7 @@ def _train(mesh: str, placement: str, rank: int) -> dict:
     model = GPT(_config())
     plan = fs.plan(model, policy=fs.policy.module_classes({Block}), placement={Block: placement})
     mesh_ = fs.Mesh(shard=shard) if replicate is None else fs.Mesh(replicate=replicate, shard=shard)
-    state = fs.shard(model, plan, mesh_)
+    state = fs.shard(model, plan, mesh_, offload=offload)
     opt = _optimizer(WHOLE[mesh])
     opt_state = opt.init(state)
     issued = []
@@ -144,8 +144,10 @@ def _one_process(whole: str) -> dict:
 def test_owned_whole_param_optimizers_step_without_collectives_and_equal_one_process(mesh):
     """An fp32 Muon (FSDP-2, HSDP 2x2) or a user's LARS (FSDP-3) through whole_params, plus
     AdamW, blocks owned: every opt.step issues no collective, each rank's Owned state holds
-    exactly the parameters its shard owns (each replica repeats them), and the result equals
-    one process to 1e-5. With even blocks the same optimizer exchanges (all-to-alls) and
+    exactly the parameters its shard owns, and the result equals one process to 1e-5. On
+    HSDP 2x2 owned parameters are exchanged to owners over the whole mesh, as even ones
+    (faster than each replica repeating its owners' math: benchmarks.muon_hsdp), each held
+    by one rank of the mesh. With even blocks the same optimizer exchanges (all-to-alls) and
     agrees too. fs.optim.muon (torch.optim.Muon's bf16 Newton-Schulz, whose rounding turns
     the gradients' fp32 roundoff between a sharded and a one-process run into bf16 steps) is
     compared with the even placement on the same mesh, whose gradients are the same."""
@@ -160,8 +162,13 @@ def test_owned_whole_param_optimizers_step_without_collectives_and_equal_one_pro
         f for f, p in expected.items() if label(f, p) == ("lars" if whole == "lars" else "muon")
     }
     held: dict[int, set] = {}
-    for got in owned:
+    replicas = MESHES[mesh][0] is not None
+    for rank, got in enumerate(owned):
         assert_trees_close(got["params"], expected, rtol=1e-5, atol=1e-6)
+        if replicas:  # HSDP: owners over the whole mesh, exchanged (see _owners.py's Note)
+            assert all("all_to_all" in " ".join(ops) for ops in got["issued"])
+            held[rank] = set(got["keys"])
+            continue
         assert got["issued"] == [[]] * STEPS
         assert got["keys"] == got["owned_here"]
         held.setdefault(got["shard_rank"], set()).update(got["keys"])
@@ -171,3 +178,15 @@ def test_owned_whole_param_optimizers_step_without_collectives_and_equal_one_pro
         for got in even:
             assert_trees_close(got["params"], expected, rtol=1e-5, atol=1e-6)
             assert all("all_to_all" in " ".join(ops) for ops in got["issued"])
+
+
+def _offloaded_and_even(rank: int) -> tuple[dict, dict]:
+    return _train("fsdp2", "owned", rank, offload=True), _train("fsdp2", "even", rank)
+
+
+def test_owned_units_offloaded_to_the_cpu_train_as_even_units():
+    """CPU offload with owned blocks: the same values as the even placement without offload
+    after STEPS Muon + AdamW steps (1e-5), and opt.step still issues no collective."""
+    for owned, even in testing.run(_offloaded_and_even, world_size=2):
+        assert_trees_close(owned["params"], even["params"], rtol=1e-5, atol=1e-6)
+        assert owned["issued"] == [[]] * STEPS

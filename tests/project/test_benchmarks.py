@@ -13,6 +13,8 @@ ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of the repository, not installed
 
 from benchmarks import gpu, muon, report  # noqa: E402
+from benchmarks.sent_bytes import SentBytes  # noqa: E402
+from funcshard import testing  # noqa: E402
 from funcshard.step import _host_memory as host_memory  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -138,14 +140,53 @@ def test_host_memory_benchmark_alternates_processes_and_compares_their_faults():
     assert re.search(r"memory kept: funcshard / DDP [\d.]+-[\d.]+, mean [\d.]+", out.stdout)
 
 
-def test_muon_benchmark_times_and_meters_both_optimizer_steps_and_counts_state():
+def test_muon_benchmark_times_meters_and_counts_bytes_of_every_contender_and_state():
     spec = muon.MuonSpec(cfg=muon.QUICK_CFG, rounds=1, warmup=0, memory_steps=1)
     result = muon.measure(spec, 2)
-    for name in ("funcshard", "FSDP2"):
+    for name in muon.CONTENDERS:
         assert result.step[name] > 0 and result.train[name] >= result.step[name]
-        assert result.peaks[name] > 0
-    row = r"^\| +2 \|( +[\d.]+ \|( +[\d.]+ \|) [\d.]+x +\|){3}$"
-    assert re.search(row, muon.table([result], "github"), flags=re.M)
+    for name in muon.METERED:
+        assert result.peaks[name] >= result.mean_peaks[name] > 0
+        assert result.sent[name] > 0
+    fake = {2: {n: 1e-3 for n in muon.CONTENDERS}}
+    text = muon.table([result], fake, "github")
+    for name in muon.METERED:
+        assert re.search(rf"^\| 2 +\| {re.escape(name)} .*\|( +[\d.]+ +\|){{3}}$", text, re.M)
+    assert re.search(r"owned \+ Muon +\|( +[\d.]+ +\|){2} 1.00x", text), text
+    assert "bytes sent per step vs even + AdamW" in muon.goals([result], fake)
     state = muon.state_bytes(muon.QUICK_CFG, 2)
     for name in ("torch.optim, one process / 2", "funcshard muon + adamw", "stand-in"):
         assert name in state
+
+
+def _sent(rank: int) -> list[int]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    out = []
+    mesh = init_device_mesh("cpu", (2,))
+    whole = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    with SentBytes() as sent:
+        if rank == 0:
+            dist.send(torch.randn(10), 1)
+        else:
+            dist.recv(torch.empty(10), 0)
+    out.append(sent.bytes)
+    with SentBytes() as sent:
+        dist.all_gather_into_tensor(torch.empty(12), torch.randn(6))
+    out.append(sent.bytes)
+    with SentBytes() as sent:
+        whole.redistribute(mesh, [Replicate()]).to_local()
+    out.append(sent.bytes)
+    other = distribute_tensor(torch.randn(4, 8), mesh, [Shard(0)])
+    with SentBytes() as sent:  # the redistribution DTensor issues inside its own dispatch
+        torch.mm(whole, other).to_local()
+    out.append(sent.bytes)
+    return out
+
+
+def test_sent_bytes_counts_what_each_rank_hands_the_backend():
+    """benchmarks.muon's bytes column: a send its bytes (a receive nothing), a ring
+    all-gather (n - 1) inputs, and DTensor's inner collectives counted too."""
+    assert testing.run(_sent, world_size=2) == [[40, 24, 64], [0, 24, 64]]
