@@ -1,10 +1,12 @@
 """A compiled step reshards as the eager one does (funcshard/compiling/_compiled_schedule.py).
 
-One run on 2 ranks compiles an 8-block GPT's gradient step (FSDP, blocks as units) with
+One run on 2 ranks compiles a 4-block GPT's gradient step (FSDP, blocks as units) with
 and without `reshard_after_forward`, through an aot_autograd backend that records the
 scheduled graph and meters it op by op (LiveTensors inside the compiled graph: a dispatch
 mode entered around a compiled call makes dynamo skip the frame). The aot_eager meter does
-not see inductor's buffer reuse.
+not see inductor's buffer reuse. Four blocks, the fewest whose resharded peak stays below the
+kept one's (at three they are equal); dynamo's tracing, most of this file's time, grows with
+the blocks (tests/DURATIONS.md).
 """
 
 import functools
@@ -22,7 +24,7 @@ from funcshard.testing.dynamo import isolated
 from funcshard.testing.memory import LiveTensors, metering_compiler
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
-CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, d_model=128, dropout=0.0)
+CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, d_model=128, dropout=0.0)
 AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
 
