@@ -190,10 +190,12 @@ def test_mixed_precision_and_a_frozen_unit_reshard_too():
     assert units["blocks.1"]["rs"] == 0 and units["blocks.0"]["rs"] == 1
 
 
-def _tiny_gpt_step(rank: int) -> tuple:
-    """A 2-block GPT sharded on 2 ranks, this rank's batch and its gradient step."""
+def _tiny_gpt_step(rank: int, n_layer: int = 2) -> tuple:
+    """A GPT of `n_layer` blocks sharded on 2 ranks, this rank's batch and its gradient step."""
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
+    cfg = GPTConfig(
+        vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, d_model=32, dropout=0.0
+    )
     model = GPT(cfg)
     state = fs.shard(
         model, fs.plan(model, policy=fs.policy.module_classes({Block})), fs.Mesh(shard=2)
@@ -219,8 +221,10 @@ def test_blocks_compiled_one_by_one_inside_an_eager_sharded_step_give_eager_grad
 @isolated()
 def _inductor(rank: int) -> dict:
     """fs.compile with inductor (its default backend): the schedule runs on inductor's
-    post-grad graph, where funcshard's tags and the backward marks survive."""
-    _, state, x, y, step = _tiny_gpt_step(rank)
+    post-grad graph, where funcshard's tags and the backward marks survive. One block: the
+    root beside a resharding unit is all the property needs, and inductor's time grows with
+    the blocks (tests/DURATIONS.md)."""
+    _, state, x, y, step = _tiny_gpt_step(rank, n_layer=1)
     regathered = []
     schedule = compiled_schedule.schedule
 
@@ -241,7 +245,7 @@ def _inductor(rank: int) -> dict:
 
 def test_fs_compile_with_inductor_regathers_the_blocks_in_backward():
     result = testing.run(_inductor, world_size=2, timeout=300)[0]
-    assert result["regathered"] == [2]  # one graph; both blocks regathered, not the root
+    assert result["regathered"] == [1]  # one graph; the block regathered, not the root
     assert result["close"]
 
 
