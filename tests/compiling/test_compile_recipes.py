@@ -163,10 +163,12 @@ class CheckpointedBlock(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, attention: bool) -> None:
+    """An embedding, `blocks` checkpointed blocks (units when sharded) and a head."""
+
+    def __init__(self, attention: bool, blocks: int = 2) -> None:
         super().__init__()
         self.embed = nn.Linear(8, D)
-        self.blocks = nn.ModuleList(CheckpointedBlock(attention) for _ in range(2))
+        self.blocks = nn.ModuleList(CheckpointedBlock(attention) for _ in range(blocks))
         self.head = nn.Linear(D, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 8) -> (B, T, 1)
@@ -191,9 +193,11 @@ STEPS, LR = 2, 0.1
 @isolated()
 def _checkpointed_training(attention: bool, reshard: bool, rank: int) -> dict:
     """Two SGD steps compiled, eagerly and (on every rank) in one plain process on the
-    concatenated batches: losses, final parameters, graphs and breaks."""
+    concatenated batches: losses, final parameters, graphs and breaks. One block: a
+    checkpointed unit between the root's layers is all this needs, and tracing the
+    recomputation grows with the blocks (tests/DURATIONS.md)."""
     torch.manual_seed(0)
-    model = Net(attention)
+    model = Net(attention, blocks=1)
     plain = copy.deepcopy(model)
     plan = fs.plan(model, policy=fs.policy.module_classes({CheckpointedBlock}), frozen="split")
     state = fs.shard(model, plan, fs.Mesh(shard=2), reshard_after_forward=reshard)
