@@ -189,4 +189,4 @@ def _sent(rank: int) -> list[int]:
 def test_sent_bytes_counts_what_each_rank_hands_the_backend():
     """benchmarks.muon's bytes column: a send its bytes (a receive nothing), a ring
     all-gather (n - 1) inputs, and DTensor's inner collectives counted too."""
-    assert testing.run(_sent, world_size=2) == [[40, 24, 64], [0, 24, 64]]
+    assert testing.run(_sent, world_size=2) == [[40, 24, 64, 64], [0, 24, 64, 64]]
