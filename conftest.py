@@ -5,6 +5,10 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# A test that leaves the test process or a shared fixture changed fails itself, not the next
+# test (funcshard/testing/suite_hygiene.py); the rank pool checks its tasks the same way.
+pytest_plugins = ["funcshard.testing.suite_hygiene"]
+
 settings.register_profile(
     "dev", max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

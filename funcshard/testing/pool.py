@@ -116,7 +116,10 @@ class WorkerPool:
         replies = self._collect(task_name(fn), timeout)
         errors = {r: reply for r, reply in replies.items() if reply[0] == "error"}
         if errors:
-            raise rank_exception(errors, task_name(fn), self.world_size)
+            error = rank_exception(errors, task_name(fn), self.world_size)
+            if any(reply[3] for reply in errors.values()):  # a rank's state changed: not
+                self.quit()  # reusable, the next call starts a fresh pool
+            raise error
         return [pickle.loads(replies[r][1]) for r in range(self.world_size)]
 
     def _collect(self, name: str, timeout: float) -> dict[int, tuple[Any, ...]]:

@@ -48,7 +48,7 @@ def with_rank_cause(
 def rank_exception(errors: dict[int, tuple[Any, ...]], name: str, world_size: int) -> BaseException:
     """Rebuild the lowest failing rank's exception, its remote traceback as the cause."""
     rank = min(errors)
-    _, exc_bytes, tb = errors[rank]
+    exc_bytes, tb = errors[rank][1:3]  # a 4th item: whether it left its state changed
     try:
         exc = pickle.loads(exc_bytes) if exc_bytes is not None else None
     except Exception:

@@ -28,6 +28,7 @@ from funcshard.comm import _exchange as exchange
 from funcshard.comm import _failures as failures
 from funcshard.comm import _trail as trail
 from funcshard.comm._mesh import shutdown
+from funcshard.testing import process_state
 
 
 def task_name(fn: Callable[..., Any]) -> str:
@@ -131,19 +132,40 @@ def _answer_probes(probe: Connection) -> None:
 
 
 def _run_task(rank: int, payload: bytes) -> bytes:
+    """Run one task; its reply, or `ProcessStateChanged` if it left the rank's process-wide
+    state changed (see [Note: a task leaves its process as it found it])."""
     failures.reset_issued()  # numbered per task, so the ranks' numbers compare
     trail.forget()  # and their trails (see [Note: the collectives' trail])
     exchange.new_epoch()  # gloo exchanges tagged per task (see the function)
+    before = process_state.snapshot()
+    task_traceback = ""  # the task's own, when it raised
+    reply: tuple[Any, ...]
     try:
-        result = _loads_task(payload)(rank)
-        return pickle.dumps(("ok", pickle.dumps(result)))
+        reply = ("ok", pickle.dumps(_loads_task(payload)(rank)))
     except BaseException as e:
-        tb = traceback.format_exc()
-        try:
-            exc_bytes = pickle.dumps(e)
-        except Exception:
-            exc_bytes = None
-        return pickle.dumps(("error", exc_bytes, tb))
+        task_traceback = traceback.format_exc()
+        reply = _error_reply(e, task_traceback, changed=False)
+    found = process_state.changes(before, process_state.snapshot())
+    if found:
+        fix = (
+            "Restore it before the task returns (a `with` block or try/finally); the pool was "
+            "quit, so the next call starts fresh ranks."
+        )
+        if task_traceback:
+            fix += f" The task had also raised:\n{task_traceback}"
+        error = process_state.changed_error(f"rank {rank}'s task", found, fix)
+        reply = _error_reply(error, f"{type(error).__name__}: {error}", changed=True)
+    return pickle.dumps(reply)
+
+
+def _error_reply(e: BaseException, tb: str, changed: bool) -> tuple[str, bytes | None, str, bool]:
+    """An error reply: the pickled exception, its traceback, and whether the task left the
+    rank's state changed (the pool then quits rather than run another task there)."""
+    try:
+        exc_bytes = pickle.dumps(e)
+    except Exception:
+        exc_bytes = None
+    return ("error", exc_bytes, tb, changed)
 
 
 def _loads_task(payload: bytes) -> Callable[[int], Any]:
