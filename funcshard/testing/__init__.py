@@ -16,13 +16,23 @@ from funcshard.testing import dynamo as dynamo
 from funcshard.testing import memory as memory
 from funcshard.testing import models as models
 from funcshard.testing.check import check as check
+from funcshard.testing.process_state import ProcessStateChanged as ProcessStateChanged
 from funcshard.testing.rank_errors import RankDied as RankDied
 from funcshard.testing.rank_errors import RemoteTraceback as RemoteTraceback
 from funcshard.testing.report import LawViolation as LawViolation
 from funcshard.testing.report import Report as Report
 from funcshard.testing.runner import run as run
 
-__all__ = ["LawViolation", "RankDied", "RemoteTraceback", "Report", "chaos", "check", "run"]
+__all__ = [
+    "LawViolation",
+    "ProcessStateChanged",
+    "RankDied",
+    "RemoteTraceback",
+    "Report",
+    "chaos",
+    "check",
+    "run",
+]
 
 _LAZY = ("strategies",)
 

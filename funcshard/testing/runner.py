@@ -38,6 +38,10 @@ def run(
     seconds before the test's, so this report is what fails a hung test (see
     funcshard/testing/pytest_plugin.py).
 
+    A task that leaves a rank's process-wide state changed (default dtype, grad mode, a mode
+    on torch's stacks, an environment variable, ...) fails with `ProcessStateChanged` naming
+    the change, and the ranks are replaced, so a later call never inherits it.
+
     `fresh=True` runs on ranks of their own, ended afterwards: for tests that break process
     groups on purpose (timeouts, faults) and must not leave them to later calls.
     """
