@@ -417,7 +417,7 @@ def _fs_compile_step(rank: int) -> dict:
     return result
 
 
-def test_fs_compile_makes_one_graph_without_private_flags_and_a_timeout_inside_raises():
+def test_a_collective_that_times_out_inside_a_compiled_step_raises_collective_error():
     """One compiled step checks both: before the hang, three calls of it on both ranks are one
     graph without breaks, leaving dynamo's flag as it was; then a collective in it that times
     out raises a CollectiveError on rank 0 (one compilation, on the fresh ranks the timeout
