@@ -9,6 +9,11 @@ from hypothesis import HealthCheck, settings
 # test (funcshard/testing/suite_hygiene.py); the rank pool checks its tasks the same way.
 pytest_plugins = ["funcshard.testing.suite_hygiene"]
 
+# Inductor compiles in one thread here: its default on this 2-core machine starts a pool of
+# compile subprocesses per rank that costs more CPU than it saves (the inductor tests,
+# the compiling guide's example). Set before any rank pool or script starts, so they inherit it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 settings.register_profile(
     "dev", max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

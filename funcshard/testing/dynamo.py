@@ -28,7 +28,8 @@ def isolated(trace_autograd_ops: bool = True) -> Callable[[F], F]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             import torch._dynamo
 
-            _reset()
+            if _compiled_since_reset():
+                _reset()
             try:
                 with torch._dynamo.config.patch(trace_autograd_ops=trace_autograd_ops):
                     return fn(*args, **kwargs)
@@ -38,6 +39,13 @@ def isolated(trace_autograd_ops: bool = True) -> Callable[[F], F]:
         return wrapped  # type: ignore[return-value]
 
     return decorate
+
+
+def _compiled_since_reset() -> bool:
+    """Whether dynamo ran since the last reset: its counters are cleared by `_reset` and count
+    every frame it compiles. Most calls follow an isolated one, so the reset before them, and
+    its full garbage collection (about a second in a worker that compiled), is skipped."""
+    return any(torch._dynamo.utils.counters.values())
 
 
 def _reset() -> None:
