@@ -93,8 +93,10 @@ def test_the_laws_hold_for_llama_under_a_given_policy_and_mixed_precision():
 
 def test_batchnorm_running_statistics_pass_against_per_rank_micro_batches():
     """BatchNorm's running statistics differ across ranks, as they do under DDP without
-    SyncBatchNorm: the reference runs each rank's micro-batch and keeps its buffers apart."""
-    report = fs.testing.check(ConvNet, images, **QUICK)
+    SyncBatchNorm: the reference runs each rank's micro-batch and keeps its buffers apart.
+    No compiled draw (two of three were, most of the time): a compiled step's updated
+    batch-norm buffers are tests/compiling/test_compile.py's."""
+    report = fs.testing.check(ConvNet, images, recipes=Axes(compiled=False), **QUICK)
     assert report.ok, report.table()
     parity = [r for r in report.results if r.law == "parity" and r.config.world == 2]
     assert parity and "micro-batches" in parity[0].detail
