@@ -189,7 +189,8 @@ def test_a_forward_that_depends_on_the_rank_breaks_parity():
 def test_a_buffer_written_with_the_rank_breaks_parity_naming_the_buffer():
     """Recipes off: the first failing configuration drew a compiled step, and shrinking it
     compiled five more (70 s against 7 s, to the same smallest configuration). The other
-    planted problems keep the recipe switches drawn."""
+    planted problems keep the recipe switches drawn (the missing all-reduce all but
+    compilation)."""
     report = _caught(RankDependentBuffer, {"parity"}, recipes=False)
     assert "buffer calls on rank 1" in next(r.detail for r in report.failures if r.law == "parity")
 
