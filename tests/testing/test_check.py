@@ -24,6 +24,7 @@ from funcshard.comm import _collectives as collectives
 from funcshard.step import _gather as gather
 from funcshard.testing.harness import LAWS, split
 from funcshard.testing.models import GPT, ConvNet, GPTConfig, Llama, LlamaConfig
+from funcshard.testing.recipe import Axes
 
 # World sizes 1 and 2, two steps, few configurations: the laws fail at 2 ranks already.
 QUICK = {"world_sizes": (1, 2), "steps": 2, "examples": 3, "shrink_budget": 10}
@@ -51,11 +52,19 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
+def one_block_gpt() -> GPT:
+    return GPT(GPTConfig(n_layer=1))
+
+
 def test_the_laws_hold_for_the_library_gpt_and_the_report_says_so():
     """Two configurations (seed 0): one rank with every switch off, then FSDP on 2 ranks with
     most recipe switches on, compiled. A third drew another compiled step (HSDP 2x1 with
-    clipping: HSDP is the four-rank test's, clipping the recipe property test's)."""
-    report = fs.testing.check(gpt, tokens, cross_entropy, **{**QUICK, "examples": 2})
+    clipping: HSDP's laws are the four-rank test's, a compiled HSDP step is
+    tests/compiling/test_compile.py's `[hsdp]` case, clipping the recipe property test's).
+    One block (the drawn configurations do not depend on it): dynamo traces each block it
+    inlines; the compiled configuration's block is checkpointed and partly frozen, under the
+    "root" policy (one unit)."""
+    report = fs.testing.check(one_block_gpt, tokens, cross_entropy, **{**QUICK, "examples": 2})
     assert report.ok and report.smallest is None
     assert {r.law for r in report.results} == set(LAWS)
     assert any(c.world == 2 for c in report.configs)
@@ -70,20 +79,32 @@ def test_every_mesh_of_four_ranks_is_checked_once_with_four_examples():
 
 
 def test_the_laws_hold_for_llama_under_a_given_policy_and_mixed_precision():
+    """Every recipe switch but compilation: the compiled draws (FSDP 2 in bf16, DDP 2) were
+    90% of the time, and compiled steps are the GPT check's, compiled bf16 gathers
+    tests/compiling/test_compiled_reshard.py's."""
     from funcshard.testing.models import LlamaBlock
 
     policy = fs.policy.module_classes({LlamaBlock})
     report = fs.testing.check(
-        llama, tokens, cross_entropy, policy=policy, mixed_precision=True, **QUICK
+        llama,
+        tokens,
+        cross_entropy,
+        policy=policy,
+        mixed_precision=True,
+        recipes=Axes(compiled=False),
+        **QUICK,
     )
     assert report.ok, report.table()
     assert {c.policy for c in report.configs} <= {"given", "buckets"}
+    assert any(c.mp == "bf16" and c.world == 2 for c in report.configs), report.table()
 
 
 def test_batchnorm_running_statistics_pass_against_per_rank_micro_batches():
     """BatchNorm's running statistics differ across ranks, as they do under DDP without
-    SyncBatchNorm: the reference runs each rank's micro-batch and keeps its buffers apart."""
-    report = fs.testing.check(ConvNet, images, **QUICK)
+    SyncBatchNorm: the reference runs each rank's micro-batch and keeps its buffers apart.
+    No compiled draw (two of three were, most of the time): a compiled step's updated
+    batch-norm buffers are tests/compiling/test_compile.py's."""
+    report = fs.testing.check(ConvNet, images, recipes=Axes(compiled=False), **QUICK)
     assert report.ok, report.table()
     parity = [r for r in report.results if r.law == "parity" and r.config.world == 2]
     assert parity and "micro-batches" in parity[0].detail
@@ -170,7 +191,8 @@ def test_a_forward_that_depends_on_the_rank_breaks_parity():
 def test_a_buffer_written_with_the_rank_breaks_parity_naming_the_buffer():
     """Recipes off: the first failing configuration drew a compiled step, and shrinking it
     compiled five more (70 s against 7 s, to the same smallest configuration). The other
-    planted problems keep the recipe switches drawn."""
+    planted problems keep the recipe switches drawn (the missing all-reduce all but
+    compilation)."""
     report = _caught(RankDependentBuffer, {"parity"}, recipes=False)
     assert "buffer calls on rank 1" in next(r.detail for r in report.failures if r.law == "parity")
 
@@ -230,7 +252,11 @@ def test_gradients_summed_instead_of_averaged_break_parity():
 
 
 def test_a_missing_all_reduce_across_replicas_breaks_parity():
-    report = _caught(Small, {"parity"}, setup=no_all_reduce_across_replicas)
+    """Every recipe switch but compilation: shrinking a compiled failing draw compiled again
+    at each step; the GPT check covers compiled steps."""
+    report = _caught(
+        Small, {"parity"}, setup=no_all_reduce_across_replicas, recipes=Axes(compiled=False)
+    )
     assert report.smallest.replicate == 2, report.table()
 
 
@@ -363,7 +389,9 @@ def test_the_check_command_prints_the_report_and_exits_by_the_verdict(capsys):
 
 
 def test_a_seed_replays_the_same_configurations_and_a_database_replays_the_failure(tmp_path):
-    options = {**QUICK, "raise_on_failure": False, "laws": ("parity",)}
+    """Recipes off: what is replayed does not depend on them, and a compiled draw, shrunk,
+    compiles again at each step of the shrinking, in each of the four checks."""
+    options = {**QUICK, "raise_on_failure": False, "laws": ("parity",), "recipes": False}
     first = fs.testing.check(RankDependentBuffer, regression, seed=3, **options)
     again = fs.testing.check(RankDependentBuffer, regression, seed=3, **options)
     assert first.configs == again.configs and first.smallest == again.smallest
