@@ -65,10 +65,24 @@ of `torch.func.grad`, a Hessian-vector product) works and equals double backward
 `reduction` says what the backward does: "mean" (the default), "shard" (HSDP without the
 all-reduce across replicas) or "none": the unreduced full gradient goes to `sink`, a
 full-size gradient target (`value_and_grad(reduce=False)`), and the shard gets none.
+[Note: untraced without importing dynamo]
+`_alone` reads reference counts, which dynamo must never trace nor compile as a frame of
+its own (see its docstring). `torch.compiler.disable` does that, but as a decorator it
+imports torch._dynamo when this module is imported: about 1 s of `import funcshard`, paid by
+every script, torchrun rank and pool worker, most of which never compile. So the disable is
+applied on first use instead, and only where dynamo is loaded: the caller calls
+`_untraced(_alone)` (the disabled function, made once and cached) when "torch._dynamo" is
+in `sys.modules`, and `_alone` itself otherwise. Nothing can be compiling before dynamo is
+imported (torch.compile imports it first), so no dynamo frame hook can meet `_alone` then.
+The choice is made inline in the caller, not in a wrapper of ours: a wrapper would be one
+more Python frame for dynamo to compile. The caller skips both while dynamo traces it.
+
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -174,7 +188,12 @@ class _Gather(torch.autograd.Function):
             and _may_defer(ctx.deferred)
         )
         # see [Note: reducing in place]; asked before _concat makes a view of the gradient
-        alone = deferring and not torch.compiler.is_dynamo_compiling() and _alone(grads)
+        # see [Note: untraced without importing dynamo]
+        alone = (
+            deferring
+            and not torch.compiler.is_dynamo_compiling()
+            and (_untraced(_alone) if "torch._dynamo" in sys.modules else _alone)(grads)
+        )
         full = _concat(grads, spec)
         if spec.reduction == "none":
             return None, prepared(full, spec), None, None, None, None
@@ -273,12 +292,17 @@ def _concat(grads: tuple[Tensor | None, ...], spec: GatherSpec) -> Tensor:
 # reduced into a copy. The counts are compared with those of a new tensor and of a view
 # of one (`_FRESH`), as this torch counts them, so a torch that counts other references
 # makes copies rather than write where it must not.
-@torch.compiler.disable
+# `torch.compiler.disable(fn)`, made once per function (see [Note: untraced without
+# importing dynamo]); the cache is a C callable, so a cached call opens no Python frame
+_untraced = functools.cache(torch.compiler.disable)
+
+
 def _alone(grads: tuple[Tensor | None, ...]) -> bool:
     """Whether the only gradient in `grads` is referenced from nowhere but here (see
     [Note: reducing in place]). False for several gradients: their flat is a new buffer.
-    Never traced (callers skip it while dynamo traces): dynamo, running the eager part of
-    a compiled step, recompiled its reference-count reads once per tensor rank."""
+    Never traced (callers skip it while dynamo traces, and call it through `_untraced`
+    once dynamo is loaded): dynamo, running the eager part of a compiled step, recompiled
+    its reference-count reads once per tensor rank."""
     if len(grads) != 1 or grads[0] is None:
         return False
     g = grads[0]

@@ -1,5 +1,7 @@
 """The install scripts/env.sh makes (test.sh, demo.sh and CI run it) cannot be shadowed by a
-folder named funcshard beside a user's script, such as a clone of this repository."""
+folder named funcshard beside a user's script, such as a clone of this repository; and
+`import funcshard` there loads no torch._dynamo (see [Note: untraced without importing
+dynamo] in funcshard/step/_gather.py)."""
 
 import re
 import site
@@ -18,7 +20,7 @@ sys.path.extend({site_packages!r})  # torch and the rest, without their own .pth
 site.addsitedir({installed!r})  # the editable wheel's files, as pip puts them in site-packages
 import funcshard
 
-print(funcshard.Mesh.__name__, funcshard.__file__)
+print(funcshard.Mesh.__name__, funcshard.__file__, "torch._dynamo" in sys.modules)
 """
 
 
@@ -63,5 +65,8 @@ def test_a_folder_named_funcshard_beside_a_script_does_not_shadow_the_install(tm
         capture_output=True, text=True, timeout=120, cwd=user, env={"PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    name, file = out.stdout.split()
+    name, file, dynamo = out.stdout.split()
     assert name == "Mesh" and Path(file).resolve().is_relative_to(ROOT.resolve())
+    # every process that imports funcshard (scripts, torchrun ranks, pool workers) would pay
+    # about 1 s for a compiler most of them never use
+    assert dynamo == "False", "import funcshard loaded torch._dynamo"
