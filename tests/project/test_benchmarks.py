@@ -78,8 +78,13 @@ def test_python_m_benchmarks_is_run_py(monkeypatch):
     assert calls == ["run.main"]
 
 
-def test_gpu_script_on_cpu_runs_the_same_comparison_and_says_it_is_no_gpu_figure(tmp_path):
-    out = _run("-m", "benchmarks.gpu", "--device", "cpu", "--quick", "--out", str(tmp_path))
+def test_gpu_script_on_cpu_runs_the_same_comparison_and_says_it_is_no_gpu_figure(
+    tmp_path, capsys
+):
+    """Its main in the test's process, its rank on the test's pool (as the compiled
+    benchmark's test below)."""
+    gpu.main(["--device", "cpu", "--quick", "--out", str(tmp_path)])
+    stdout = capsys.readouterr().out
     text = (tmp_path / "RESULTS.md").read_text()
     assert "<!-- gpu:start -->\n## GPU script run on CPU (gloo): a check" in text
     assert "not GPU figures" in text and "<!-- gpu:end -->" in text
@@ -87,7 +92,7 @@ def test_gpu_script_on_cpu_runs_the_same_comparison_and_says_it_is_no_gpu_figure
         # median ms, IQR ms, tokens/s, then the ratio to plain
         row = rf"\| {re.escape(name)} +\| +[\d.]+ +\| +[\d.]+ +\| +[\d,]+ +\| [\d.]+x"
         assert re.search(row, text), name
-        assert name in out.stdout
+        assert name in stdout
     assert re.search(r"funcshard step time vs plain [\d.]+x, vs FSDP2 [\d.]+x", text)
 
 
