@@ -156,12 +156,13 @@ def _rank(layers: int, backend: str, rounds: int, rank: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (`argv`, sys.argv's unless given: tests call it in their process)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="aot_eager")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--layers", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = testing.run(
         functools.partial(_rank, args.layers, args.backend, args.rounds), timeout=3600
     )

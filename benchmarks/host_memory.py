@@ -121,13 +121,14 @@ def summary(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (`argv`, sys.argv's unless given: tests call it in their process)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--quick", action="store_true", help="a tiny GPT, for tests")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one process
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(measure_one(QUICK_CFG if args.quick else CFG, args.rounds)))
         return

@@ -12,10 +12,10 @@ import torch
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of the repository, not installed
 
-from benchmarks import gpu, muon, report  # noqa: E402
+from benchmarks import compiled, gpu, host_memory, muon, report  # noqa: E402
 from benchmarks.sent_bytes import SentBytes  # noqa: E402
 from funcshard import testing  # noqa: E402
-from funcshard.step import _host_memory as host_memory  # noqa: E402
+from funcshard.step import _host_memory  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TARGET_RATIOS = (
@@ -45,7 +45,8 @@ def test_run_py_as_a_script_writes_the_tables_ratios_and_plot_in_its_section_onl
     before = "# Results\n\nHand-written prose.\n\n<!-- generated:start -->\nstale\n"
     after = "<!-- generated:end -->\n\n## Earlier runs\n\nMore prose.\n"
     results.write_text(before + after)
-    out = _run("benchmarks/run.py", "--quick", "--out", str(tmp_path))
+    # the blocks sweep at 2 points (--quick's is 3): each point is a fresh process
+    out = _run("benchmarks/run.py", "--quick", "--blocks", "1", "2", "--out", str(tmp_path))
     text = results.read_text()
     assert text.startswith("# Results\n\nHand-written prose.\n\n<!-- generated:start -->\n")
     assert text.endswith(after) and "stale" not in text
@@ -78,8 +79,13 @@ def test_python_m_benchmarks_is_run_py(monkeypatch):
     assert calls == ["run.main"]
 
 
-def test_gpu_script_on_cpu_runs_the_same_comparison_and_says_it_is_no_gpu_figure(tmp_path):
-    out = _run("-m", "benchmarks.gpu", "--device", "cpu", "--quick", "--out", str(tmp_path))
+def test_gpu_script_on_cpu_runs_the_same_comparison_and_says_it_is_no_gpu_figure(
+    tmp_path, capsys
+):
+    """Its main in the test's process, its rank on the test's pool (as the compiled
+    benchmark's test below)."""
+    gpu.main(["--device", "cpu", "--quick", "--out", str(tmp_path)])
+    stdout = capsys.readouterr().out
     text = (tmp_path / "RESULTS.md").read_text()
     assert "<!-- gpu:start -->\n## GPU script run on CPU (gloo): a check" in text
     assert "not GPU figures" in text and "<!-- gpu:end -->" in text
@@ -87,7 +93,7 @@ def test_gpu_script_on_cpu_runs_the_same_comparison_and_says_it_is_no_gpu_figure
         # median ms, IQR ms, tokens/s, then the ratio to plain
         row = rf"\| {re.escape(name)} +\| +[\d.]+ +\| +[\d.]+ +\| +[\d,]+ +\| [\d.]+x"
         assert re.search(row, text), name
-        assert name in out.stdout
+        assert name in stdout
     assert re.search(r"funcshard step time vs plain [\d.]+x, vs FSDP2 [\d.]+x", text)
 
 
@@ -121,8 +127,11 @@ def test_write_section_refuses_a_file_with_one_marker(tmp_path):
         report.write_section(path, "gpu", "x")
 
 
-def test_compiled_benchmark_checks_against_eager_then_times_and_meters_the_steps():
-    out = _run("-m", "benchmarks.compiled", "--layers", "1", "--rounds", "1").stdout
+def test_compiled_benchmark_checks_against_eager_then_times_and_meters_the_steps(capsys):
+    """Its main in the test's process, its ranks on the test's pool: a process of its own
+    added an interpreter and a pool, not a check of the benchmark."""
+    compiled.main(["--layers", "1", "--rounds", "1"])
+    out = capsys.readouterr().out
     assert "loss and grads equal eager's (1e-5) on every rank: yes" in out
     for step in ("traced and split", "split, compiled (aot_eager)"):  # timed only
         assert re.search(rf"^{re.escape(step)}\s+[\d.]+\s+[\d.]+x$", out, flags=re.M), out
@@ -132,12 +141,15 @@ def test_compiled_benchmark_checks_against_eager_then_times_and_meters_the_steps
         assert re.search(row, out, flags=re.M), out
 
 
-@pytest.mark.skipif(host_memory._glibc_function("mallopt") is None, reason="glibc only")
-def test_host_memory_benchmark_alternates_processes_and_compares_their_faults():
-    out = _run("-m", "benchmarks.host_memory", "--quick", "--pairs", "1", "--rounds", "2")
-    rows = re.findall(r"^\| (glibc's defaults|memory kept) +\|( +\d+ +\|){2}", out.stdout, re.M)
-    assert [r[0] for r in rows] == ["glibc's defaults", "memory kept"], out.stdout
-    assert re.search(r"memory kept: funcshard / DDP [\d.]+-[\d.]+, mean [\d.]+", out.stdout)
+@pytest.mark.skipif(_host_memory._glibc_function("mallopt") is None, reason="glibc only")
+def test_host_memory_benchmark_alternates_processes_and_compares_their_faults(capsys):
+    """Its main in the test's process: the measurements are still fresh processes, one per
+    setting (the setting is a whole process's), the test's process only orders them."""
+    host_memory.main(["--quick", "--pairs", "1", "--rounds", "2"])
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (glibc's defaults|memory kept) +\|( +\d+ +\|){2}", out, re.M)
+    assert [r[0] for r in rows] == ["glibc's defaults", "memory kept"], out
+    assert re.search(r"memory kept: funcshard / DDP [\d.]+-[\d.]+, mean [\d.]+", out)
 
 
 def test_muon_benchmark_times_meters_and_counts_bytes_of_every_contender_and_state():
