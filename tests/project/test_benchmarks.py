@@ -1,5 +1,6 @@
 """The benchmark entry points in --quick mode: they run, and write their tables, ratios and plot."""
 
+import ast
 import re
 import runpy
 import subprocess
@@ -79,9 +80,7 @@ def test_python_m_benchmarks_is_run_py(monkeypatch):
     assert calls == ["run.main"]
 
 
-def test_gpu_script_on_cpu_runs_the_same_comparison_and_says_it_is_no_gpu_figure(
-    tmp_path, capsys
-):
+def test_gpu_script_on_cpu_runs_the_same_comparison_and_says_it_is_no_gpu_figure(tmp_path, capsys):
     """Its main in the test's process, its rank on the test's pool (as the compiled
     benchmark's test below)."""
     gpu.main(["--device", "cpu", "--quick", "--out", str(tmp_path)])
@@ -202,3 +201,20 @@ def test_sent_bytes_counts_what_each_rank_hands_the_backend():
     """benchmarks.muon's bytes column: a send its bytes (a receive nothing), a ring
     all-gather (n - 1) inputs, and DTensor's inner collectives counted too."""
     assert testing.run(_sent, world_size=2) == [[40, 24, 64, 64], [0, 24, 64, 64]]
+
+
+def test_every_benchmark_with_a_main_runs_it_as_a_script():
+    """Most benchmarks are checked through `main(argv)` in this process (a launch each costs
+    seconds), so their `python -m benchmarks.X` line is checked here instead: each module
+    with a `main` ends by calling it under `if __name__ == "__main__":`."""
+    missing = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        if not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+            continue
+        guards = [
+            n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)
+        ]
+        if not any("main(" in ast.unparse(g) for g in guards):
+            missing.append(path.name)
+    assert not missing, f"no `if __name__ == '__main__': main()` in {missing}"
