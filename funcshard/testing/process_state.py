@@ -49,11 +49,25 @@ _READS: tuple[tuple[str, Callable[[], Any]], ...] = (
 )
 
 
-# Variables others own: pytest sets PYTEST_CURRENT_TEST per phase; torch keeps process-wide
-# caches of its own in underscored ones (inductor's first compile sets
-# _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR, for the rest of the process).
+# Variables others own: pytest sets PYTEST_CURRENT_TEST per phase; torch and the compilers it
+# drives write their own on first use, for the rest of the process (inductor's cache
+# directory and _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR, triton's paths, OpenMP's and cuBLAS's
+# settings: the `os.environ[...] =` lines under torch/_inductor).
+_OWNED_NAMES = frozenset(
+    {
+        "PYTEST_CURRENT_TEST",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TORCH_WARM_POOL",
+        "KMP_DUPLICATE_LIB_OK",
+        "CUBLAS_WORKSPACE_CONFIG",
+        "CUDA_HOME",
+    }
+)
+_OWNED_PREFIXES = ("_TORCH", "TRITON_")
+
+
 def _owned_by_others(name: str) -> bool:
-    return name == "PYTEST_CURRENT_TEST" or name.startswith("_TORCH")
+    return name in _OWNED_NAMES or name.startswith(_OWNED_PREFIXES)
 
 
 def snapshot() -> dict[str, Any]:

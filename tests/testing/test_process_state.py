@@ -48,6 +48,22 @@ def test_a_task_that_leaves_rank_state_changed_fails_and_the_next_call_gets_fres
     assert fs.testing.run(_restores_what_it_changes, world_size=2) == [True, True]
 
 
+def test_variables_torch_writes_for_itself_are_no_change_but_others_are():
+    """Inductor sets TORCHINDUCTOR_CACHE_DIR on its first compile in a process: the first
+    inductor task of a pool worker must not fail for it (it did, when run alone)."""
+    from funcshard.testing import process_state
+
+    before = process_state.snapshot()
+    env = before["environment"]
+    after = {
+        **before,
+        "environment": {**env, "TORCHINDUCTOR_CACHE_DIR": "/tmp/x", "FUNCSHARD_LEFT": "1"},
+    }
+    assert process_state.changes(before, after) == [
+        "environment variable FUNCSHARD_LEFT: unset, now '1'"
+    ]
+
+
 def test_a_test_that_leaves_the_process_or_a_shared_fixture_changed_fails_itself(pytester):
     pytester.makeconftest('pytest_plugins = ["funcshard.testing.suite_hygiene"]')
     pytester.makepyfile(
