@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, settings
 pytest_plugins = ["funcshard.testing.suite_hygiene"]
 
 # Inductor compiles in one thread here: its default on this 2-core machine starts a pool of
-# compile subprocesses per rank that costs more CPU than it saves (the inductor tests,
-# the compiling guide's example). Set before any rank pool or script starts, so they inherit it.
+# compile subprocesses per rank that costs more CPU than it saves (the inductor tests, the
+# compiling guide's example). The one place this is set: before any rank pool or script
+# starts, so they inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 settings.register_profile(

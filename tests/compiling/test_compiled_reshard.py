@@ -223,9 +223,8 @@ def _inductor(rank: int) -> dict:
     """fs.compile with inductor (its default backend): the schedule runs on inductor's
     post-grad graph, where funcshard's tags and the backward marks survive. One block: the
     root beside a resharding unit is all the property needs, and inductor's time grows with
-    the blocks (tests/DURATIONS.md). Its C++ kernels compile in this process
-    (compile_threads=1): with more threads inductor starts compiler subprocesses, each
-    importing torch, which on a busy two-core machine cost more than they save."""
+    the blocks (tests/DURATIONS.md). Its C++ kernels compile in this process: the suite sets
+    TORCHINDUCTOR_COMPILE_THREADS=1 (conftest.py)."""
     _, state, x, y, step = _tiny_gpt_step(rank, n_layer=1)
     regathered = []
     schedule = compiled_schedule.schedule
@@ -236,7 +235,7 @@ def _inductor(rank: int) -> dict:
 
     compiled_schedule.schedule = spy
     try:
-        with torch._inductor.config.patch(fx_graph_cache=False, compile_threads=1):
+        with torch._inductor.config.patch(fx_graph_cache=False):
             got = fs.compile(step, fullgraph=True)(state, x, y)
     finally:
         compiled_schedule.schedule = schedule
