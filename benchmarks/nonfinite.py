@@ -3,7 +3,7 @@ or (`--what unused`) tracking unused parameters (`unused="skip"`, the default) a
 `unused="zeros"`, interleaved in one process, on the overhead matrix's fake group and on
 real gloo ranks.
 
-    python -m benchmarks.nonfinite [--what finite|unused] [--rounds 30] [--gloo-rounds 12]
+    python -m benchmarks.nonfinite [--what finite|unused] [--rounds 200] [--gloo-rounds 40]
 
 The check is a sum over each gradient shard, one all-gather of (buffers + 3) int64 after the
 step's last reduction, and one read of the flags by the optimizer (see [Note: non-finite
@@ -11,7 +11,11 @@ steps skipped by default] in funcshard/step/_finite.py). Both modes carry the sa
 and gloo headers (free: see [Note: the collectives' trail], [Note: the exchange's header in
 its tag]). The fake group's cells are the overhead matrix's GPT rows (32 blocks, d 64,
 batch 1x16, one thread, `opt.step`); the gloo rows are benchmarks/training.py's 14M GPT on
-2 ranks. Medians of interleaved rounds; the ratio is the default's over the other mode's.
+2 ranks. Both modes step one shared state (the same tensors, so neither gains from where its
+memory happens to lie, which moved single runs by +-10% when each mode had its own); each
+round times one step of each mode in a seeded order, and the ratio is the median over rounds
+of the default's time over the other's in the same round, with a 95% interval for that
+median (order statistics: no assumption on the times' distribution).
 Unused parameters are noted by the gathers' backwards, ride the check's all-gather as a few
 int64 words and are read by the optimizer (see [Note: unused parameters] in
 funcshard/step/_usage.py): every parameter is used in these steps, so it measures what the
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import statistics
 
 import torch
@@ -46,18 +51,18 @@ FAKE_MESHES = {"FSDP": (1, 8), "HSDP 2x4": (2, 4), "DDP": (8, 1)}
 def _steps(
     cfg: GPTConfig, mesh: fs.Mesh, batch: int, rank: int, replicate: bool, what: str
 ) -> dict:
-    """One AdamW `opt.step` per mode on its own state, the same batch."""
+    """One AdamW `opt.step` per mode, the same batch, both stepping one shared state."""
     x, y = random_tokens(cfg, batch, seed=rank)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    if replicate:
+        state = fs.replicate(model, mesh)
+    else:
+        state = fs.shard(model, fs.plan(model, policy=fs.policy.module_classes({Block})), mesh)
+    opt = fs.optim.adamw(1e-3)
+    box = {"state": state, "opt": opt.init(state)}
     steps = {}
     for mode, options in COMPARISONS[what]:
-        with torch.device("meta"):
-            model = GPT(cfg)
-        if replicate:
-            state = fs.replicate(model, mesh)
-        else:
-            state = fs.shard(model, fs.plan(model, policy=fs.policy.module_classes({Block})), mesh)
-        opt = fs.optim.adamw(1e-3)
-        box = {"state": state, "opt": opt.init(state)}
         grad_fn = fs.value_and_grad(
             functools.partial(lambda m, s: lm_loss(fs.call(m, s, x), y), model), **options
         )
@@ -70,14 +75,27 @@ def _steps(
     return steps
 
 
+def paired_ratio(default: list[float], other: list[float]) -> tuple[float, float, float]:
+    """The median over rounds of `default[i] / other[i]`, and a 95% interval for it: the
+    order statistics n/2 -+ 1.96 sqrt(n)/2 of the sorted ratios (the sign test's interval)."""
+    ratios = sorted(d / o for d, o in zip(default, other, strict=True))
+    n = len(ratios)
+    half = 0.98 * math.sqrt(n)
+    low, high = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half) - 1)
+    return statistics.median(ratios), ratios[low], ratios[high]
+
+
 def _row(where: str, samples: dict[str, list[float]], what: str) -> list:
-    off, skip = (statistics.median(samples[m]) for m, _ in COMPARISONS[what])
+    (other, _), (default, _) = COMPARISONS[what]
+    off, skip = statistics.median(samples[other]), statistics.median(samples[default])
+    mid, low, high = paired_ratio(samples[default], samples[other])
     return [
         where,
         f"{off * 1e3:.2f}",
         f"{skip * 1e3:.2f}",
         f"{(skip - off) * 1e3:+.3f}",
-        f"{skip / off:.3f}x",
+        f"{mid:.4f}x",
+        f"{low:.4f}x to {high:.4f}x",
     ]
 
 
@@ -109,19 +127,30 @@ def gloo_row(rounds: int, what: str = "finite") -> list:
     """benchmarks/training.py's 14M GPT on 2 gloo ranks, FSDP; each rank's medians averaged."""
     task = functools.partial(_gloo_samples, rounds, what)
     per_rank = testing.run(task, world_size=2, timeout=1800)
-    samples = {m: [statistics.median(r[m]) for r in per_rank] for m, _ in COMPARISONS[what]}
+    # a round's time on the two ranks, averaged (they step together)
+    samples = {
+        m: [statistics.fmean(ts) for ts in zip(*(r[m] for r in per_rank), strict=True)]
+        for m, _ in COMPARISONS[what]
+    }
     return _row("2 gloo ranks, 14M GPT, FSDP", samples, what)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30, help="fake group rounds per cell")
-    parser.add_argument("--gloo-rounds", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=200, help="fake group rounds per cell")
+    parser.add_argument("--gloo-rounds", type=int, default=40)
     parser.add_argument("--what", choices=tuple(COMPARISONS), default="finite")
     args = parser.parse_args()
     rows = [*fake_rows(args.rounds, args.what), gloo_row(args.gloo_rounds, args.what)]
     other = COMPARISONS[args.what][0][0]
-    headers = ["step", f"{other} ms", "skip ms (default)", f"skip - {other} ms", f"skip / {other}"]
+    headers = [
+        "step",
+        f"{other} ms",
+        "skip ms (default)",
+        f"skip - {other} ms",
+        f"skip / {other}, median of rounds",
+        "95% interval",
+    ]
     print(tabulate(rows, headers=headers, tablefmt="github"))
 
 
