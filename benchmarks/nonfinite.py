@@ -15,7 +15,10 @@ batch 1x16, one thread, `opt.step`); the gloo rows are benchmarks/training.py's 
 memory happens to lie, which moved single runs by +-10% when each mode had its own); each
 round times one step of each mode in a seeded order, and the ratio is the median over rounds
 of the default's time over the other's in the same round, with a 95% interval for that
-median (order statistics: no assumption on the times' distribution).
+median (order statistics: no assumption on the times' distribution). With `--what finite`,
+the check is also timed inside the default's steps (`finite.judged` and the optimizer's
+`finite.skip_this_step`, wrapped with a clock): its median per step over the step's median
+time is its share of the step, a figure the machine's drift between rounds does not blur.
 Unused parameters are noted by the gathers' backwards, ride the check's all-gather as a few
 int64 words and are read by the optimizer (see [Note: unused parameters] in
 funcshard/step/_usage.py): every parameter is used in these steps, so it measures what the
@@ -25,9 +28,12 @@ tracking costs a step that skips nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import statistics
+import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,6 +44,7 @@ import funcshard as fs
 from benchmarks.common import interleaved_samples, lm_loss
 from benchmarks.training import CFG
 from funcshard import testing
+from funcshard.step import _finite as finite
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
 # per comparison: (the other mode, its value_and_grad options), then the default's
@@ -75,6 +82,45 @@ def _steps(
     return steps
 
 
+@contextlib.contextmanager
+def timed_checks(times: list[float]) -> Iterator[None]:
+    """Append to `times` the seconds each checked step spends in the non-finite check:
+    `finite.judged` issuing the verdict, then the optimizer reading it."""
+    judged, skip_this_step = finite.judged, finite.skip_this_step
+
+    def timed_judged(loss, grads, policy, *args, **kwargs):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        out = judged(loss, grads, policy, *args, **kwargs)
+        if policy != "off":
+            times.append(time.perf_counter() - start)
+        return out
+
+    def timed_read(grads, skips):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        out = skip_this_step(grads, skips)
+        if getattr(grads, "verdict", None) is not None:
+            times[-1] += time.perf_counter() - start
+        return out
+
+    finite.judged, finite.skip_this_step = timed_judged, timed_read
+    try:
+        yield
+    finally:
+        finite.judged, finite.skip_this_step = judged, skip_this_step
+
+
+def _samples(steps: dict, warmup: int, rounds: int, what: str) -> dict[str, list[float]]:
+    """`interleaved_samples` of `steps`, with the check's own seconds per step as "check"
+    when `what` is "finite" (warm-up and settling steps included: the check does the same
+    work in each)."""
+    if what != "finite":
+        return interleaved_samples(steps, warmup=warmup, rounds=rounds, settle=1)
+    checks: list[float] = []
+    with timed_checks(checks):
+        samples = interleaved_samples(steps, warmup=warmup, rounds=rounds, settle=1)
+    return {**samples, "check": checks}
+
+
 def paired_ratio(default: list[float], other: list[float]) -> tuple[float, float, float]:
     """The median over rounds of `default[i] / other[i]`, and a 95% interval for it: the
     order statistics n/2 -+ 1.96 sqrt(n)/2 of the sorted ratios (the sign test's interval)."""
@@ -89,6 +135,7 @@ def _row(where: str, samples: dict[str, list[float]], what: str) -> list:
     (other, _), (default, _) = COMPARISONS[what]
     off, skip = statistics.median(samples[other]), statistics.median(samples[default])
     mid, low, high = paired_ratio(samples[default], samples[other])
+    check = statistics.median(samples["check"]) if "check" in samples else None
     return [
         where,
         f"{off * 1e3:.2f}",
@@ -96,6 +143,8 @@ def _row(where: str, samples: dict[str, list[float]], what: str) -> list:
         f"{(skip - off) * 1e3:+.3f}",
         f"{mid:.4f}x",
         f"{low:.4f}x to {high:.4f}x",
+        "-" if check is None else f"{check * 1e3:.3f}",
+        "-" if check is None else f"{check / skip:.2%}",
     ]
 
 
@@ -110,7 +159,7 @@ def fake_rows(rounds: int, what: str = "finite") -> list[list]:
         for name, (replicate, shard) in FAKE_MESHES.items():
             mesh = fs.Mesh(replicate=replicate, shard=shard)
             steps = _steps(cfg, mesh, 1, 0, replicate=shard == 1, what=what)
-            samples = interleaved_samples(steps, warmup=3, rounds=rounds, settle=1)
+            samples = _samples(steps, 3, rounds, what)
             rows.append(_row(f"fake group of 8, {name}", samples, what))
         return rows
     finally:
@@ -120,7 +169,7 @@ def fake_rows(rounds: int, what: str = "finite") -> list[list]:
 
 def _gloo_samples(rounds: int, what: str, rank: int) -> dict[str, list[float]]:
     steps = _steps(CFG, fs.Mesh(shard=2), 2, rank, replicate=False, what=what)
-    return interleaved_samples(steps, warmup=2, rounds=rounds, settle=1)
+    return _samples(steps, 2, rounds, what)
 
 
 def gloo_row(rounds: int, what: str = "finite") -> list:
@@ -130,7 +179,7 @@ def gloo_row(rounds: int, what: str = "finite") -> list:
     # a round's time on the two ranks, averaged (they step together)
     samples = {
         m: [statistics.fmean(ts) for ts in zip(*(r[m] for r in per_rank), strict=True)]
-        for m, _ in COMPARISONS[what]
+        for m in per_rank[0]
     }
     return _row("2 gloo ranks, 14M GPT, FSDP", samples, what)
 
@@ -150,6 +199,8 @@ def main() -> None:
         f"skip - {other} ms",
         f"skip / {other}, median of rounds",
         "95% interval",
+        "check ms (timed inside)",
+        "check / skip step",
     ]
     print(tabulate(rows, headers=headers, tablefmt="github"))
 
