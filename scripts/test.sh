@@ -5,6 +5,9 @@
 # --quick, first if given: the quick lane for iteration, the same checks before the suite,
 # then only the tests marked `quick` (pytest -m quick: one or two core parity tests a wing,
 # chosen by what they guard). CI (.ci/run) never passes it: it runs the whole suite.
+# The tests run in pytest-xdist workers, one a core (at most 4: each starts its own rank pools),
+# a test file to a worker (its module-scoped fixtures are computed once); FUNCSHARD_TEST_WORKERS
+# sets the count (0: in this process, as plain pytest does).
 set -euo pipefail
 lane=()
 if [ "${1:-}" = --quick ]; then
@@ -19,4 +22,5 @@ EXTRAS=test,docs source "$(dirname "$0")/env.sh"
 # name that no longer resolves is a warning, and --strict makes it fail.
 echo "mkdocs build --strict"
 NO_MKDOCS_2_WARNING=1 "$py" -m mkdocs build --strict --site-dir site
-"$py" -m pytest ${lane[@]+"${lane[@]}"} "$@"
+workers=(-n "${FUNCSHARD_TEST_WORKERS:-auto}" --maxprocesses 4 --dist loadfile)
+"$py" -m pytest "${workers[@]}" ${lane[@]+"${lane[@]}"} "$@"

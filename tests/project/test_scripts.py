@@ -5,6 +5,7 @@ that records its arguments, so nothing is installed and no test runs. Also: each
 tests/ has a test in the quick lane."""
 
 import ast
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,6 +18,8 @@ ROOT = Path(__file__).parents[2]
 ENV_SH = """cd "$(dirname "${BASH_SOURCE[0]}")/.."
 py=$PWD/python
 """
+# the xdist workers test.sh asks for (one a core, at most 4, a file to each)
+WORKERS = "-n auto --maxprocesses 4 --dist loadfile"
 RECORDER = '#!/usr/bin/env bash\necho "$*" >> "$(dirname "$0")/calls"\n'
 
 
@@ -31,7 +34,8 @@ def _calls(tmp_path: Path, *command: str) -> list[str]:
     for tool in (tmp_path / "python", tmp_path / ".venv/bin/lint-imports"):
         tool.write_text(RECORDER)
         tool.chmod(0o755)
-    out = subprocess.run(["bash", *command], capture_output=True, text=True, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "FUNCSHARD_TEST_WORKERS"}
+    out = subprocess.run(["bash", *command], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     return (tmp_path / "calls").read_text().splitlines()
 
@@ -39,13 +43,13 @@ def _calls(tmp_path: Path, *command: str) -> list[str]:
 @pytest.mark.quick
 def test_ci_runs_every_test_with_no_marker_filter(tmp_path):
     calls = _calls(tmp_path, ".ci/run")
-    assert calls[0] == "-m ruff check ." and calls[-1] == "-m pytest -q", calls
+    assert calls[0] == "-m ruff check ." and calls[-1] == f"-m pytest {WORKERS} -q", calls
     assert any(c.startswith("-m mkdocs build --strict") for c in calls), calls
 
 
 def test_the_quick_flag_runs_the_same_checks_then_only_the_quick_tests(tmp_path):
     calls = _calls(tmp_path, "scripts/test.sh", "--quick", "-x", "tests/core")
-    assert calls[-1] == "-m pytest -m quick -x tests/core", calls
+    assert calls[-1] == f"-m pytest {WORKERS} -m quick -x tests/core", calls
     assert calls[:-1] == _calls(tmp_path / "whole", "scripts/test.sh")[:-1]
 
 
