@@ -1,7 +1,6 @@
 """`funcshard plan`: its estimates against a real 2-rank run, and the command itself."""
 
 import re
-import subprocess
 import sys
 import uuid
 
@@ -57,33 +56,44 @@ def test_plan_estimates_equal_a_real_two_rank_step():
         assert planned.sent_per_step == r["sent"]
 
 
-def _plan_command(*options: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "funcshard", "plan", "funcshard.testing.models:GPT", *options]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+def _plan_command(capsys, *options: str) -> tuple[int, str, str]:
+    """`funcshard plan funcshard.testing.models:GPT OPTIONS` in this process (the exit code,
+    stdout and stderr a launch would give: a SystemExit's message goes to stderr, code 1).
+    No interpreter is launched: `python -m funcshard` runs as a process in
+    tests/recipes/test_recovery.py, and this command's work is all in `cli.main`."""
+    capsys.readouterr()  # what earlier code printed is not this command's
+    try:
+        code = cli.main(["plan", "funcshard.testing.models:GPT", *options])
+    except SystemExit as e:
+        code, message = (1, e.code) if isinstance(e.code, str) else (e.code or 0, "")
+        out, err = capsys.readouterr()
+        return code, out, err + message
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_the_plan_command_prints_per_unit_and_total_bytes():
-    out = _plan_command("--world-size", "8", "--mesh", "2x4", "--mp", "bf16")
-    assert out.returncode == 0, out.stderr
-    assert "mesh 2x4 (replicate x shard), units: Block" in out.stdout
-    assert "blocks.0" in out.stdout and "<root>" in out.stdout
-    assert "KiB held (params + grads + optimizer state)" in out.stdout
-    assert "peak: " in out.stdout and "activations not included" in out.stdout
-    assert "placement" not in out.stdout  # all even: no placement column
+def test_the_plan_command_prints_per_unit_and_total_bytes(capsys):
+    code, out, err = _plan_command(capsys, "--world-size", "8", "--mesh", "2x4", "--mp", "bf16")
+    assert code == 0, err
+    assert "mesh 2x4 (replicate x shard), units: Block" in out
+    assert "blocks.0" in out and "<root>" in out
+    assert "KiB held (params + grads + optimizer state)" in out
+    assert "peak: " in out and "activations not included" in out
+    assert "placement" not in out  # all even: no placement column
 
 
-def test_the_plan_command_owns_the_units_within_the_bound_and_shows_each_placement():
+def test_the_plan_command_owns_the_units_within_the_bound_and_shows_each_placement(capsys):
     # 4 ranks: the root's embedding is over owned's bound, so the root stays even
-    out = _plan_command("--world-size", "4", "--placement", "owned")
-    assert out.returncode == 0, out.stderr
-    assert "placement owned" in out.stdout
-    rows = dict(re.findall(r"^(blocks\.\d|<root>) +(even|owned) ", out.stdout, re.M))
-    assert rows == {"blocks.0": "owned", "blocks.1": "owned", "<root>": "even"}, out.stdout
+    code, out, err = _plan_command(capsys, "--world-size", "4", "--placement", "owned")
+    assert code == 0, err
+    assert "placement owned" in out
+    rows = dict(re.findall(r"^(blocks\.\d|<root>) +(even|owned) ", out, re.M))
+    assert rows == {"blocks.0": "owned", "blocks.1": "owned", "<root>": "even"}, out
 
 
-def test_the_plan_command_names_a_bad_mesh():
-    out = _plan_command("--world-size", "8", "--mesh", "3x3")
-    assert out.returncode != 0 and "--mesh 3x3 has 9 ranks, not 8" in out.stderr
+def test_the_plan_command_names_a_bad_mesh(capsys):
+    code, _, err = _plan_command(capsys, "--world-size", "8", "--mesh", "3x3")
+    assert code != 0 and "--mesh 3x3 has 9 ranks, not 8" in err
 
 
 def _factory_module(directory) -> str:

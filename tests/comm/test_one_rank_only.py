@@ -4,14 +4,10 @@ timeout, naming the other rank and the call: no signal, no hang, no bare gloo er
 
 import functools
 import json
-import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +59,6 @@ def every_case(directory: str, rank: int) -> dict[str, tuple[str, float]]:
     }
 
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "torchrun_one_rank_only.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 CALLS = {
     "forward": None,
     "save": "funcshard.checkpoint.save",
@@ -88,18 +82,13 @@ def test_a_call_made_on_rank_0_only_raises_on_both_ranks_naming_it():
             _check(rank, message, seconds, case)
 
 
-def test_under_torchrun_each_call_on_rank_0_only_raises_on_both_ranks(tmp_path):
-    done = subprocess.run(
-        [*TORCHRUN, str(SCRIPT), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+def test_under_torchrun_each_call_on_rank_0_only_raises_on_both_ranks(two_ranks_under_torchrun):
+    """The launch is tests/comm/conftest.py's, shared with test_mesh.py's torchrun test."""
+    done, out_dir = two_ranks_under_torchrun
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "SIG" not in out, out[-3000:]  # (torchrun names signals)
     for rank in (0, 1):
-        cases = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        cases = json.loads((out_dir / f"rank{rank}.json").read_text())
         assert list(cases) == list(CALLS), cases
         for case, (message, seconds) in cases.items():
             _check(rank, message, seconds, case)

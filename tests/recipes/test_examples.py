@@ -1,5 +1,9 @@
-"""examples/train_gpt.py under a real torchrun, as a user would launch it."""
+"""examples/train_gpt.py under a real torchrun, as a user would launch it; the examples that
+start their own ranks (`fs.testing.run`) through their `main()` in the test's process."""
 
+import contextlib
+import importlib
+import io
 import os
 import re
 import subprocess
@@ -42,11 +46,20 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 def _run_example(name: str, *args: str) -> str:
-    cmd = [sys.executable, str(EXAMPLES / name), "--quick", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    """What `python examples/NAME --quick ARGS` prints, run in this process: the example is
+    imported (examples/ on sys.path, as a script's folder heads it) and its `main()` called
+    with that command line, so its `fs.testing.run` calls go to the test's rank pool (the
+    pool pickles `train` by module name, and its ranks get this sys.path). No interpreter or
+    pool is started for it; what the example computes and prints is the same."""
+    argv, path = sys.argv, sys.path[:]
+    sys.argv, sys.path[:0] = [str(EXAMPLES / name), "--quick", *args], [str(EXAMPLES)]
+    try:
+        module = importlib.import_module(name.removesuffix(".py"))
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            module.main()
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    return out.getvalue()
 
 
 def _ratio(line_start: str, text: str) -> float:
