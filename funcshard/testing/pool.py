@@ -247,11 +247,13 @@ class WorkerPool:
 
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask each rank for its Python stack (faulthandler on SIGUSR1) and read it back."""
+        asked = []
         for r in ranks:
             pid = self._procs[r].pid
             if pid is not None and self._procs[r].is_alive():
                 os.kill(pid, signal.SIGUSR1)
-        time.sleep(0.5)
+                asked.append(os.path.join(self._stack_dir, f"rank{r}.stack"))
+        _wait_for_stacks(asked)
         stacks = {}
         for r in ranks:
             path = os.path.join(self._stack_dir, f"rank{r}.stack")
@@ -313,6 +315,33 @@ def _context(start_method: str | None) -> _Context:
 
 
 QUIT_GRACE = 5.0  # seconds an idle worker gets to exit normally; a busy one is then killed
+STACK_WAIT = 0.5  # seconds the asked ranks get to write their stacks, at most
+STACK_POLL = 0.02  # seconds between looks at the stack files
+
+
+def _wait_for_stacks(paths: list[str]) -> None:
+    """Wait until each file in `paths` holds a stack that stopped growing, or `STACK_WAIT`.
+
+    faulthandler writes a rank's stacks from its signal handler, within milliseconds of the
+    signal, so waiting the whole `STACK_WAIT` every time (as a plain sleep did) cost each
+    timeout report, and each test that waits for one on purpose, half a second for nothing.
+    A file is done when it is not empty and its size did not change over one poll.
+    """
+    deadline = time.monotonic() + STACK_WAIT
+    last: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        time.sleep(STACK_POLL)
+        sizes = {p: _size(p) for p in paths}
+        if all(sizes[p] > 0 and sizes[p] == last.get(p) for p in paths):
+            return
+        last = sizes
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _why_it_died(code: int | None) -> str:

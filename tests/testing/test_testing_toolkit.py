@@ -5,7 +5,6 @@ import functools
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -97,26 +96,9 @@ def test_assert_trees_close_names_the_leaves_only_one_tree_has():
         assert_trees_close({"a": torch.ones(1), "b": 1.0}, {"a": torch.ones(1), "c": 1.0})
 
 
-# -- the testing submodules are attributes of fs.testing -----------------------------------
-
-
-def test_every_testing_submodule_is_an_attribute_after_import_funcshard():
-    """Regression: fs.testing.strategies (and .compare, .models, .memory, .dynamo) raised
-    AttributeError until imported explicitly. A fresh interpreter, since this one has
-    imported them all; hypothesis stays unimported until strategies is used."""
-    code = textwrap.dedent(
-        """
-        import sys
-        import funcshard as fs
-        assert "hypothesis" not in sys.modules
-        fs.testing.compare.assert_trees_close, fs.testing.models.GPT
-        fs.testing.memory.LiveTensors, fs.testing.dynamo.isolated
-        fs.testing.strategies.modules
-        assert {"compare", "dynamo", "memory", "models", "strategies"} <= set(dir(fs.testing))
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
+# -- the testing submodules are attributes of fs.testing: checked by the fresh-run script ----
+# (test_a_fresh_run_leaves_no_semaphores_to_the_resource_tracker, below), whose interpreter has
+# imported nothing of funcshard before its first line, as this test process has.
 
 
 # -- strategies.modules(): its laws and options --------------------------------------------
@@ -185,9 +167,22 @@ _SCRIPT = """
 import multiprocessing
 import sys
 
+import funcshard as fs
 from funcshard import testing
 
 KEEP = []
+
+
+def submodules_are_attributes():
+    # regression: fs.testing.strategies (and .compare, .models, .memory, .dynamo) raised
+    # AttributeError until imported explicitly; hypothesis stays unimported until strategies
+    # is used
+    assert "hypothesis" not in sys.modules
+    fs.testing.compare.assert_trees_close, fs.testing.models.GPT
+    fs.testing.memory.LiveTensors, fs.testing.dynamo.isolated
+    fs.testing.strategies.modules
+    assert {"compare", "dynamo", "memory", "models", "strategies"} <= set(dir(fs.testing))
+    print("submodules are attributes")
 
 
 def locks_then(outcome, rank):
@@ -201,6 +196,7 @@ def locks_then(outcome, rank):
 if __name__ == "__main__":
     import functools
 
+    submodules_are_attributes()
     for outcome in sys.argv[1:]:
         try:
             print(testing.run(functools.partial(locks_then, outcome), 2, fresh=True))
@@ -213,7 +209,11 @@ def test_a_fresh_run_leaves_no_semaphores_to_the_resource_tracker(tmp_path):
     """Regression: fresh ranks were killed, so what they had registered with multiprocessing's
     resource tracker stayed there, and it warned of "leaked semaphore objects" at exit. One
     script runs both outcomes (a function that returns, then one that raises) on fresh ranks
-    each: the tracker warns at the script's exit for either (one launch, was one each)."""
+    each: the tracker warns at the script's exit for either (one launch, was one each).
+
+    The same fresh interpreter first checks that every fs.testing submodule is an attribute
+    after `import funcshard` and that hypothesis is not imported by it (was its own launch:
+    test_every_testing_submodule_is_an_attribute_after_import_funcshard)."""
     script = tmp_path / "fresh_run.py"
     script.write_text(_SCRIPT)
     env = {
@@ -229,5 +229,6 @@ def test_a_fresh_run_leaves_no_semaphores_to_the_resource_tracker(tmp_path):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["[0, 1]", "raised"], out.stdout
+    lines = ["submodules are attributes", "[0, 1]", "raised"]
+    assert out.stdout.splitlines() == lines, out.stdout
     assert "resource_tracker" not in out.stderr, out.stderr
