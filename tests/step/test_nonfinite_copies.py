@@ -14,7 +14,7 @@ import funcshard as fs
 from funcshard import testing
 from funcshard.step import _check_parts as check_parts
 
-WIDTH = 96  # one Linear of 96 x 96 + 96 elements: above check_parts.WHOLE on each shard
+WIDTH = 192  # one Linear of 192 x 192 + 192 elements: above check_parts.WHOLE on each shard
 
 
 class _Poisoned(nn.Linear):
@@ -85,6 +85,7 @@ def _one_inf(mesh: str, rank: int) -> dict:
 
 @pytest.mark.parametrize("mesh", ["ddp", "hsdp"])
 def test_a_nan_in_the_piece_another_rank_checks_is_named_alike_on_every_rank(mesh):
+    assert (WIDTH * WIDTH + WIDTH) // 2 >= check_parts.WHOLE  # every shard is cut
     results = testing.run(functools.partial(_one_inf, mesh), world_size=2 if mesh == "ddp" else 4)
     shard = results[0]["shard"]
     holders = [0, 1] if mesh == "ddp" else [shard, 2 + shard]  # rank = replica * 2 + shard
@@ -100,7 +101,7 @@ def test_a_nan_in_the_piece_another_rank_checks_is_named_alike_on_every_rank(mes
 
 
 def test_pieces_cover_every_element_once():
-    t = torch.arange(10007.0)
+    t = torch.arange(float(3 * check_parts.WHOLE + 7))
     for pieces in (2, 3, 8):
         cut = check_parts.Parts(("x",), tuple(range(pieces)), ((pieces, 0),), (None,))
         got = [
