@@ -26,6 +26,7 @@ from funcshard.core import _recompute as recompute
 from funcshard.core._layout import param_views
 from funcshard.core._precision import reduce_dtype
 from funcshard.core._state import LocalGrads, ShardedGrads, ShardedState, ensure_live
+from funcshard.step import _check_parts as check_parts
 from funcshard.step import _finite as finite
 from funcshard.step import _gc_pause as gc_pause
 from funcshard.step import _host_memory as host_memory
@@ -172,7 +173,12 @@ def value_and_grad(
             )
         loss = value[0] if has_aux else value
         stuck = zero_start.words(params, grads, checking)  # see [Note: parameters stuck at zero]
-        grads = finite.judged(loss, grads, checking, all_reduce, "value_and_grad", stuck)
+        # a Comm's reduce on a DDP mesh: its buckets checked whole (see [Note: each copy
+        # checked once])
+        alike = not isinstance(params, ShardedState) or check_parts.alike(comm, params.layout.mesh)
+        grads = finite.judged(
+            loss, grads, checking, all_reduce, "value_and_grad", stuck, alike=alike
+        )
         if stuck:
             zero_start.warn(grads, "funcshard.value_and_grad")
         return (value, grads, new_carry) if carry is not None else (value, grads)

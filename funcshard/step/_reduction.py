@@ -17,6 +17,7 @@ from funcshard.core._layout import FlatLayout, Layout, in_buffer_order
 from funcshard.core._precision import reduce_dtype
 from funcshard.core._state import LocalGrads, ShardedGrads, ShardedState
 from funcshard.core._tree import format_names
+from funcshard.step import _check_parts as check_parts
 from funcshard.step import _finite as finite
 from funcshard.step import _usage as usage
 from funcshard.step._carry import check_carry
@@ -61,7 +62,11 @@ def reduce(
     unused = full_grads.unused if isinstance(full_grads, LocalGrads) else None
     if unused is not None:  # agreed with the verdict: see [Note: unused parameters]
         grads = dataclasses.replace(grads, usage=usage.Usage(state.layout, unused))
-    grads = finite.judged(None, grads, checking, all_reduce, "reduce")
+    # buffers a Comm's reduce made (this call's, or, of a LocalGrads, value_and_grad's)
+    # are checked whole on a DDP mesh (see [Note: each copy checked once])
+    kept = isinstance(full_grads, LocalGrads) and bool(full_grads.shards)
+    alike = check_parts.alike(comm, state.layout.mesh) and (not kept or state.layout.mesh.shard > 1)
+    grads = finite.judged(None, grads, checking, all_reduce, "reduce", alike=alike)
     return grads if new_carry is None else (grads, new_carry)
 
 

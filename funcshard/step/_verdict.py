@@ -39,6 +39,10 @@ class Verdict:
         # where other words sit in each rank's row, and how many: see [Note: parameters
         # stuck at zero] in funcshard/step/_zero_start.py
         self.extra = (0, 0)
+        # per leaf, the copy each rank holds (None: its own): a flag on one rank's piece of
+        # a copy marks every holder (see [Note: each copy checked once] in
+        # funcshard/step/_check_parts.py); () for none
+        self.copies: tuple[tuple[int, ...] | None, ...] = ()
 
     def rows(self) -> list[list[int]]:
         """Per rank: [loss not finite, then one flag per leaf]."""
@@ -55,7 +59,7 @@ class Verdict:
                 trail.check(self.ranks, [every[i + width - 2 : i + width] for i in starts])
                 width -= 2
             width -= self._words
-            self._rows = [every[i : i + width] for i in starts]
+            self._rows = _shared([every[i : i + width] for i in starts], self.copies)
         return self._rows
 
     def finite(self) -> bool:
@@ -106,3 +110,18 @@ class Verdict:
         merged = Verdict(self._every, self.names, self.ranks, scope=self.scope)
         merged._parts = (self, other)  # read when the merged verdict first is (lazily: a
         return merged  # micro-batch waits for no flags)
+
+
+def _shared(rows: list[list[int]], copies: tuple[tuple[int, ...] | None, ...]) -> list[list[int]]:
+    """`rows` with each leaf's flag set on every rank that holds a copy some rank flagged
+    (each rank checked only its piece of it: see [Note: each copy checked once])."""
+    if not copies or not any(any(row[1:]) for row in rows):
+        return rows
+    for leaf, keys in enumerate(copies, start=1):
+        if keys is None:
+            continue
+        bad = {key for key, row in zip(keys, rows, strict=True) if row[leaf]}
+        for key, row in zip(keys, rows, strict=True):
+            if key in bad:
+                row[leaf] = 1
+    return rows
