@@ -203,12 +203,13 @@ def test_sent_bytes_counts_what_each_rank_hands_the_backend():
     assert testing.run(_sent, world_size=2) == [[40, 24, 64, 64], [0, 24, 64, 64]]
 
 
-def test_every_benchmark_with_a_main_runs_it_as_a_script():
-    """Most benchmarks are checked through `main(argv)` in this process (a launch each costs
-    seconds), so their `python -m benchmarks.X` line is checked here instead: each module
-    with a `main` ends by calling it under `if __name__ == "__main__":`."""
+def test_every_benchmark_and_example_with_a_main_runs_it_as_a_script():
+    """Most benchmarks and examples are checked through `main(...)` in this process (a launch
+    each costs seconds), so their `python -m benchmarks.X` or `python examples/X.py` line is
+    checked here instead: each module with a `main` ends by calling it under
+    `if __name__ == "__main__":`."""
     missing = []
-    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+    for path in sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "examples").glob("*.py")]):
         tree = ast.parse(path.read_text())
         if not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
             continue
