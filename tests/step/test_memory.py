@@ -238,7 +238,9 @@ def _runs_left(rank: int) -> list:
             fs.value_and_grad(
                 lambda s: F.cross_entropy(fs.call(model, s, x).flatten(0, 1), y.flatten())
             )(state)
-            left.append(sum(isinstance(o, unit_schedule.Run) for o in gc.get_objects()))
+            # type(), not isinstance: isinstance asks a weak proxy whose referent died (one
+            # among the worker's objects, from an earlier test) for its class, and raises
+            left.append(sum(type(o) is unit_schedule.Run for o in gc.get_objects()))
     finally:
         gc.enable()
     return left
