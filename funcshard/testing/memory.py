@@ -14,9 +14,8 @@ live tensor memory".
 from __future__ import annotations
 
 import contextlib
-import gc
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import optree
@@ -139,20 +138,6 @@ class LiveTensors(TorchDispatchMode):
             del self._users[ptr]
             self.live -= self._bytes.pop(ptr)
             self._watched.discard(ptr)
-
-
-@contextlib.contextmanager
-def new_objects_only() -> Iterator[None]:
-    """Inside the block, `gc.collect()` and `gc.get_objects()` see only objects made inside
-    it: every object alive at its start is frozen (`gc.freeze()`, the collector's permanent
-    generation) and thawed at its end. A leak test's collections and walks then skip the
-    hundreds of thousands of objects a worker holds after earlier tests, while what the
-    block makes, a leak among it, is still collected and seen."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def is_all_gather(func: Any) -> bool:

@@ -17,6 +17,7 @@ collected at each chaos point.
 """
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -26,7 +27,6 @@ import torch.utils.checkpoint
 import funcshard as fs
 from funcshard import testing
 from funcshard.comm import _collectives as collectives
-from funcshard.testing.memory import new_objects_only
 from funcshard.testing.models import GPT, Block, GPTConfig, frozen_embedding_gpt, random_tokens
 
 STEPS = 1  # gradient steps per configuration: a second adds time, not coverage
@@ -105,8 +105,11 @@ def _steps(name: str, world_size: int, rank: int) -> tuple[list, list[torch.Tens
 
 
 def _under_chaos(world_size: int, seed: int, rank: int) -> dict:
-    with new_objects_only():  # see [Note: chaos collects only the task's objects]
+    gc.freeze()  # see [Note: chaos collects only the task's objects]
+    try:
         return _calm_and_chaotic(world_size, seed, rank)
+    finally:
+        gc.unfreeze()
 
 
 def _calm_and_chaotic(world_size: int, seed: int, rank: int) -> dict:

@@ -26,7 +26,6 @@ from torch.func import functional_call
 
 import funcshard as fs
 from funcshard import testing
-from funcshard.testing import memory
 
 WORLD = {"fsdp": 2, "hsdp": 4, "ddp": 2}  # data-parallel size == world size on every mesh
 MESHES = list(WORLD)
@@ -499,8 +498,11 @@ def _forward_only(rank: int) -> list[int]:
     the collects and walks see only objects made here, not the 300k a worker holds after the
     suite's compiled tests (tests/step/test_memory.py's [Note: walking only the task's
     objects]); a graph kept alive is made here, so it is still seen."""
-    with memory.new_objects_only():
+    gc.freeze()
+    try:
         return _forward_sizes(rank)
+    finally:
+        gc.unfreeze()
 
 
 def _forward_sizes(rank: int) -> list[int]:

@@ -10,6 +10,7 @@ out; `gc.unfreeze()` puts them back when the task ends. A leak is made by the st
 the freeze, so the walks still see it; what they skip is constant across the steps.
 """
 
+import contextlib
 import functools
 import gc
 import time
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 import funcshard as fs
 from funcshard import testing
-from funcshard.testing.memory import LiveTensors, is_all_gather, new_objects_only
+from funcshard.testing.memory import LiveTensors, is_all_gather
 from funcshard.testing.models import GPT, Block, GPTConfig
 
 CFG = GPTConfig(n_layer=8, d_model=64, vocab_size=61, block_size=16)
@@ -161,8 +162,19 @@ def test_frozen_weights_are_resharded_after_forward_like_trainable_ones(how):
         assert peak <= bound, peak
 
 
+@contextlib.contextmanager
+def _new_objects_only():
+    """Inside the block, the collector collects and lists only objects made inside it (see
+    [Note: walking only the task's objects])."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _live_tensor_bytes() -> int:
-    """Bytes of every real tensor alive in this process and made since `new_objects_only`
+    """Bytes of every real tensor alive in this process and made since `_new_objects_only`
     began, if it did (not subclasses such as the fake tensors a compile on this worker may
     have left for the collector)."""
     time.sleep(0.05)  # gloo's worker threads let go of finished collectives' tensors
@@ -175,7 +187,7 @@ def _live_tensor_bytes() -> int:
 
 
 def _bytes_over_steps(replicate: bool, rank: int) -> list:
-    with new_objects_only():  # see [Note: walking only the task's objects]
+    with _new_objects_only():
         return _steps_bytes(replicate, rank)
 
 
