@@ -9,6 +9,10 @@
 # a test file to a worker (its module-scoped fixtures are computed once); FUNCSHARD_TEST_WORKERS
 # sets the count (0: in this process, as plain pytest does).
 set -euo pipefail
+# Byte-code caches on: where PYTHONDONTWRITEBYTECODE is set (this VM's default), every Python
+# the suite starts (xdist workers, rank pools' forkservers, the docs' scripts, torchrun ranks)
+# would compile funcshard and the tests anew, about 0.5 s of CPU each.
+unset PYTHONDONTWRITEBYTECODE
 lane=()
 if [ "${1:-}" = --quick ]; then
   shift
