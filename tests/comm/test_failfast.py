@@ -48,8 +48,10 @@ def test_a_rank_that_fails_fast_makes_the_waiting_rank_raise_within_seconds_nami
 def test_under_torchrun_a_rank_that_fails_fast_ends_the_job_within_seconds():
     script = Path(__file__).parents[1] / "scripts" / "torchrun_fail_fast.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    # the agent checks its ranks every 5 s: rank 0 must end by itself, not be stopped by it
-    cmd += ["--monitor-interval", "5"]
+    # the agent first looks at its ranks 20 s after starting them (it sleeps, then checks):
+    # rank 0 must end by itself before that, not be stopped by the agent once it sees rank 1
+    # gone (at a 5 s interval that race went to the agent on a busy machine)
+    cmd += ["--monitor-interval", "20"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     out = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=100, env=env)
