@@ -10,8 +10,11 @@ process group.
 
 Workers start from a forkserver that has already imported torch: forking it is ~0.1 s, against
 ~2 s for a spawned interpreter, and it is safe where forking the caller is not (the caller may
-have started OpenMP or CUDA threads). Everything crosses the pipe as plain pickle bytes, so
-tensors travel by value, never through shared-memory file descriptors.
+have started OpenMP or CUDA threads). It imports torch._dynamo too: building any module on the
+meta device reaches a dynamo-disabled function (nn.init's normal_), whose first call imports
+dynamo and sympy, 1.1-1.4 s of CPU in every rank that was forked without them. Everything
+crosses the pipe as plain pickle bytes, so tensors travel by value, never through shared-memory
+file descriptors.
 
 A call fails loudly and never waits forever: a rank that dies is reported with its exit code
 as soon as its process ends; a call that outlives `timeout` asks each unfinished rank for its
@@ -310,7 +313,8 @@ def _context(start_method: str | None) -> _Context:
         start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     ctx = cast("_Context", mp.get_context(start_method))  # the named method's context
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "funcshard.testing.worker"])
+        preload = ["torch", "torch.distributed", "torch._dynamo", "funcshard.testing.worker"]
+        ctx.set_forkserver_preload(preload)  # (see [Note: the worker pool])
     return ctx
 
 
