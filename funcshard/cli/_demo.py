@@ -351,6 +351,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DemoConfig()
     parser.add_argument("--nproc", type=int, default=d.nproc)
     parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--batch", type=int, default=d.batch, help="sequences per rank")
     parser.add_argument("--mode", choices=["fsdp", "hsdp", "replicate"], default=d.mode)
     parser.add_argument(
         "--reshard-after-forward", type=lambda s: s.lower() != "false", default=True
@@ -373,6 +374,7 @@ def from_arguments(args: argparse.Namespace) -> DemoConfig:
     return DemoConfig(
         nproc=args.nproc,
         steps=args.steps,
+        batch=args.batch,
         mode=args.mode,
         reshard_after_forward=args.reshard_after_forward,
         mp=args.mp,

@@ -94,15 +94,16 @@ def _uninterrupted(argv: list[str]) -> tuple[str, str]:
 
 
 def test_the_demo_killed_mid_run_resumes_and_ends_exactly_as_an_uninterrupted_run(tmp_path):
-    """20 steps (it was 40): the kill comes once step 10 is committed, so the resumed run
-    still trains 5-10 steps from the checkpoint before its last loss and sample are compared
-    with the uninterrupted run's. Mutation check: resuming with a fresh optimizer state
-    (AdamW's moments and count not loaded) ends on another loss and sample, and fails. The
+    """20 steps of 2 sequences a rank (it was 40 of 8), a checkpoint every 10: the kill comes
+    once step 10 is committed, so the resumed run still trains 10 steps from the checkpoint
+    before its last loss and sample are compared with the uninterrupted run's. Mutation
+    check: resuming with a fresh optimizer state (AdamW's moments and count not loaded) ends
+    on another loss and sample, and fails. The
     uninterrupted run is the demo's rank function on the test's pool (`_uninterrupted`): a
     third `funcshard demo` process would add an interpreter, a pool and the demo's parity
     check (tests/cli/test_demo.py's) to the same numbers. It saves no checkpoints, so the
     killed run's saves are checked to change nothing too."""
-    steps = ["--steps", "20", "--checkpoint-every", "5"]
+    steps = ["--steps", "20", "--batch", "2", "--checkpoint-every", "10"]
     whole = _uninterrupted([*DEMO[4:], *steps])  # no checkpoints: saving must change nothing
 
     directory = tmp_path / "killed"
@@ -137,14 +138,16 @@ def test_the_demo_killed_mid_run_resumes_and_ends_exactly_as_an_uninterrupted_ru
 
 
 def test_under_torchrun_elastic_restarts_a_killed_rank_is_recovered_from_the_checkpoint(tmp_path):
-    """20 steps (it was 40): the kill comes once step 10 is committed, so the restarted
-    round still resumes from a checkpoint (10 or 15) and must train on to commit step 20."""
+    """30 steps of 2 sequences a rank (it was 40 of 8): the kill comes once step 10 is
+    committed, so the restarted round still resumes from a checkpoint (10 or later) and must
+    train on to commit step 30."""
     script = Path(__file__).parents[2] / "examples" / "train_gpt.py"
     # One restart is what the kill needs; more, because a restarted round has once failed
     # its gloo rendezvous (connectFullMesh: connection refused) and torchrun retries it.
     cmd = [
         *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
-        *["--max-restarts", "3", str(script), "--steps", "20", "--checkpoint-every", "5"],
+        *["--max-restarts", "3", str(script), "--steps", "30", "--batch", "2"],
+        *["--checkpoint-every", "5"],
         *["--checkpoint-dir", str(tmp_path)],
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -154,4 +157,4 @@ def test_under_torchrun_elastic_restarts_a_killed_rank_is_recovered_from_the_che
     assert run.returncode == 0, err[-3000:]
     resumed = int(out.split("resumed from step ")[1].split()[0])
     assert resumed >= 10 and resumed % 5 == 0
-    assert "final loss" in out and _committed_step(tmp_path) == 20
+    assert "final loss" in out and _committed_step(tmp_path) == 30
