@@ -98,11 +98,11 @@ def test_the_demo_killed_mid_run_resumes_and_ends_exactly_as_an_uninterrupted_ru
     once step 10 is committed, so the resumed run still trains 10 steps from the checkpoint
     before its last loss and sample are compared with the uninterrupted run's. Mutation
     check: resuming with a fresh optimizer state (AdamW's moments and count not loaded) ends
-    on another loss and sample, and fails. The
-    uninterrupted run is the demo's rank function on the test's pool (`_uninterrupted`): a
-    third `funcshard demo` process would add an interpreter, a pool and the demo's parity
-    check (tests/cli/test_demo.py's) to the same numbers. It saves no checkpoints, so the
-    killed run's saves are checked to change nothing too."""
+    on another loss and sample, and fails. The uninterrupted run is the demo's rank function
+    on the test's pool (`_uninterrupted`): a third `funcshard demo` process would add an
+    interpreter, a pool and the demo's parity check (tests/cli/test_demo.py's) to the same
+    numbers. It saves no checkpoints, so the killed run's saves are checked to change nothing
+    too."""
     steps = ["--steps", "20", "--batch", "2", "--checkpoint-every", "10"]
     whole = _uninterrupted([*DEMO[4:], *steps])  # no checkpoints: saving must change nothing
 
