@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from funcshard.comm import _collectives as collectives
+from funcshard.comm import _process_groups as process_groups
 from funcshard.core._layout import FlatLayout, Layout, shard_pieces
 from funcshard.core._state import ShardedState
 from funcshard.io import _dcp as dcp
@@ -148,16 +149,28 @@ def _split(prefix: str, shard: Tensor, lined: int | Packed, layout: Layout) -> d
     """One 1-D sharded tensor per parameter of a lined-up leaf, holding this rank's piece."""
     mesh = layout.mesh
     pieces = _pieces(shard, lined, layout)
+    placed = _placed(lined, layout)
     # Sharded over the shard axis only: each replica holds (and loads) all of it, and DCP's
     # save planner writes a chunk that several replicas hold once.
     return {
         f"{prefix}/{fqn}": dcp.sharded_tensor(
-            [pieces[fqn]] if fqn in pieces else [], numel, mesh.shard_group
+            [pieces[fqn]] if fqn in pieces else [], numel, mesh.shard_group, placed[fqn], shard
         )
         if numel
         else shard.new_zeros(0)  # no rank holds a piece of it: see the module's docstring
         for fqn, numel in _members(lined, layout)
     }
+
+
+def _placed(lined: int | Packed, layout: Layout) -> dict[str, list[tuple[int, int, int]]]:
+    """Per parameter of a lined-up leaf, every shard rank's piece of it as (global rank,
+    start, numel): what each rank's sharded tensor records of the others, with no exchange."""
+    flat, fqns = _source(lined, layout)
+    placed: dict[str, list[tuple[int, int, int]]] = {}
+    for shard_rank, rank in enumerate(process_groups.group_ranks(layout.mesh.shard_group)):
+        for p in shard_pieces(flat, shard_rank, fqns):
+            placed.setdefault(flat.fqns[p.index], []).append((rank, p.start, p.stop - p.start))
+    return placed
 
 
 def _join(prefix: str, loaded: dict[str, Any], lined: int | Packed, layout: Layout) -> Tensor:
