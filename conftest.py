@@ -33,3 +33,24 @@ settings.register_profile(
     "long", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+# The files that take longest run first: xdist hands a worker a whole file at a time, in this
+# order, so a long file handed out last would run alone while the other workers sit idle.
+# From tests/DURATIONS.md's latest per-file seconds, largest first; the rest keep their order.
+LONGEST_FIRST = (
+    "tests/project/test_readme.py",
+    "tests/compiling/test_compile.py",
+    "tests/testing/test_check.py",
+    "tests/compiling/test_compiled_reshard.py",
+    "tests/project/test_benchmarks.py",
+    "tests/recipes/test_recovery.py",
+    "tests/compiling/test_compile_recipes.py",
+    "tests/recipes/test_examples.py",
+    "tests/step/test_nonfinite_compiled.py",
+    "tests/compiling/test_split.py",
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    place = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.nodeid.split("::")[0], len(LONGEST_FIRST)))
