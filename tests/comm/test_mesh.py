@@ -132,15 +132,6 @@ def test_bad_sizes_are_rejected_before_any_communication(kwargs, error, message)
         fs.Mesh(**kwargs)
 
 
-def test_from_env_under_torchrun_shards_over_all_ranks(two_ranks_under_torchrun):
-    """The launch is tests/comm/conftest.py's, shared with test_one_rank_only.py's torchrun
-    test: its script prints these lines first."""
-    out, _ = two_ranks_under_torchrun
-    assert out.returncode == 0, out.stderr
-    assert "rank 0: shard 0/2 cpu sum 3" in out.stdout
-    assert "rank 1: shard 1/2 cpu sum 3" in out.stdout
-
-
 def _from_env_axes(rank: int) -> dict:
     out = {}
     for shard in (None, 1, 2):

@@ -1,14 +1,20 @@
 """A collective call made on one rank only (an evaluation forward, a checkpoint save, a full
 state dict under `if rank == 0:`) raises funcshard's error on every rank within the mesh's
-timeout, naming the other rank and the call: no signal, no hang, no bare gloo error."""
+timeout, naming the other rank and the call: no signal, no hang, no bare gloo error. Also,
+on the same torchrun launch, `Mesh.from_env()` under torchrun (test_mesh.py's subject)."""
 
 import functools
 import json
+import os
 import re
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -82,8 +88,38 @@ def test_a_call_made_on_rank_0_only_raises_on_both_ranks_naming_it():
             _check(rank, message, seconds, case)
 
 
+SCRIPT = Path(__file__).parents[1] / "scripts" / "torchrun_one_rank_only.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks_under_torchrun(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One `torchrun --standalone --nproc-per-node=2` launch of
+    tests/scripts/torchrun_one_rank_only.py, and the folder it wrote: each rank prints its
+    `Mesh.from_env()` and an all-reduce's sum, then makes this module's calls on rank 0
+    only, writing rank<r>.json. One launch for the two tests that read it, in one module:
+    torchrun's start and its ranks' imports are most of either test's time (as a session
+    fixture shared with test_mesh.py, xdist ran it once per worker that got either file)."""
+    out_dir = tmp_path_factory.mktemp("torchrun_two_ranks")
+    done = subprocess.run(
+        [*TORCHRUN, str(SCRIPT), str(out_dir)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    return done, out_dir
+
+
+def test_from_env_under_torchrun_shards_over_all_ranks(two_ranks_under_torchrun):
+    """The launch's script prints these lines first."""
+    out, _ = two_ranks_under_torchrun
+    assert out.returncode == 0, out.stderr
+    assert "rank 0: shard 0/2 cpu sum 3" in out.stdout
+    assert "rank 1: shard 1/2 cpu sum 3" in out.stdout
+
+
 def test_under_torchrun_each_call_on_rank_0_only_raises_on_both_ranks(two_ranks_under_torchrun):
-    """The launch is tests/comm/conftest.py's, shared with test_mesh.py's torchrun test."""
     done, out_dir = two_ranks_under_torchrun
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "SIG" not in out, out[-3000:]  # (torchrun names signals)

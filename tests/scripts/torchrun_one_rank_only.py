@@ -1,6 +1,6 @@
-"""Launched under torchrun by tests/comm/conftest.py's `two_ranks_under_torchrun`, for two
-tests: each rank prints its `Mesh.from_env()` and the sum of an all-reduce of rank + 1
-(tests/comm/test_mesh.py); then rank 0 makes each call alone in turn
+"""Launched under torchrun by tests/comm/test_one_rank_only.py's `two_ranks_under_torchrun`,
+for two tests: each rank prints its `Mesh.from_env()` and the sum of an all-reduce of rank + 1
+(`test_from_env_under_torchrun_shards_over_all_ranks`); then rank 0 makes each call alone in turn
 (test_one_rank_only.py's `every_case`: a forward, a save, a state dict) while rank 1 goes on
 training; each rank writes, per case, the error it raised and when, to OUT/rank<r>.json (a
 file per rank: two processes' prints can interleave within a line):
