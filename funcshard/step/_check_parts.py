@@ -30,10 +30,13 @@ reduces change where elements lie and when they land, not that the all-reduced s
 the same on every replica, so they are cut like the others.
 
 A piece is `narrow` of the flat view: one view per leaf, no copy. A leaf below `WHOLE`
-elements is checked whole on every rank: making the view costs about 1.5 us, what summing
-5000 elements does, so cutting a smaller leaf saves nothing (the HSDP 2x4 cell's 12K-element
-shards measured no cheaper cut in two). What this
-saves: see benchmarks/RESULTS.md ("The default non-finite check, each copy checked once").
+elements is not cut: making the view costs about 1.5 us, what summing 5000 elements does, so
+cutting a smaller leaf saved nothing (the HSDP 2x4 cell's 12K-element shards measured no
+cheaper cut in two). Such a leaf is checked whole by one of the k ranks that hold its copy,
+in turn by the leaf's index (leaf j by the holder at index j mod k), and skipped by the
+others: a step's sums (one dispatch each, about 2.4 us for a small leaf) are then shared
+among the holders as the elements are. What this saves: see benchmarks/RESULTS.md ("The
+default non-finite check, each copy checked once").
 Traced steps, and `check` ("raise" where unused parameters are not tracked), check every
 leaf whole, as before: the cut is a host-side choice of the eager verdict (`issue` in
 funcshard/step/_finite.py).
@@ -73,10 +76,17 @@ class Parts:
     copies: tuple[tuple[int, ...] | None, ...]
 
     def of(self, leaves: list[Tensor | None]) -> list[Tensor | None]:
-        """The pieces of `leaves` this rank checks: see [Note: each copy checked once]."""
+        """The pieces of `leaves` this rank checks (None: none of it): see [Note: each copy
+        checked once]."""
         return [
-            t if t is None or n == 1 or t.numel() < WHOLE else _piece(t, n, i)
-            for t, (n, i) in zip(leaves, self.cuts, strict=True)
+            t
+            if t is None or n == 1
+            else _piece(t, n, i)
+            if t.numel() >= WHOLE
+            else t
+            if leaf % n == i  # a small leaf whole, by one of its holders in turn
+            else None
+            for leaf, (t, (n, i)) in enumerate(zip(leaves, self.cuts, strict=True))
         ]
 
 
