@@ -27,12 +27,16 @@ plain AdamW everywhere, is the reference for bytes and memory only (not timed).
   built the optimizer state (see `_peak_bytes`); the largest rank's and the mean.
 - Bytes sent per training step (forward, backward, optimizer) by each rank, counted from
   the collectives actually issued (benchmarks/sent_bytes.py, [Note: counting the real
-  sends]); the largest rank's.
+  sends]); the largest rank's and the mean over ranks (an owned unit's ranks send
+  different amounts: each sends its own parameters, see [Note: owned placement]).
 - `--fake`: the same optimizer steps on torch's fake process group (rank 0 of N, one
   process, one thread): collectives cost nothing and no rank shares a core, so what remains
   is one rank's own CPU work, timed as the thread's CPU time over 3x the rounds. The fake
   group's collectives return uninitialized buffers, so the numbers the math runs on are
-  garbage; only the time means anything.
+  garbage; only the time means anything. A fourth row there, the floor: the Muon
+  transform alone (momentum, Newton-Schulz, the move; one process's code on whole
+  tensors, no funcshard around it) on the matrices rank 0 owns in the owned contender,
+  timed in the same rotation: what the owned step cannot go below.
 - `--state-bytes`: optimizer-state bytes per rank of the partition on an N-rank FSDP GPT,
   beside one process's torch.optim.Muon + AdamW state divided by N. Where `fs.optim.muon`
   does not exist (older funcshard), `sgd(lr, momentum=0.95)` stands in for it: the same state
@@ -60,6 +64,7 @@ import funcshard as fs
 from benchmarks.common import FSDP2, lm_loss, mib, ms, ratio
 from benchmarks.sent_bytes import SentBytes
 from funcshard import testing
+from funcshard.optim._muon import muon_transform
 from funcshard.testing.memory import LiveTensors
 from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 
@@ -67,7 +72,8 @@ CFG = GPTConfig(vocab_size=8192, block_size=64, n_layer=4, n_head=6, d_model=384
 QUICK_CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32)
 MUON_LR, ADAMW_LR = 0.02, 3e-3
 OWNED, EVEN, ADAMW = "owned + Muon", "even + whole_params Muon", "even + AdamW (reference)"
-CONTENDERS = (OWNED, EVEN, FSDP2)  # timed; ADAMW is metered only
+FLOOR = "owned: rank 0's Muon math alone (floor)"
+CONTENDERS = (OWNED, EVEN, FSDP2)  # timed; ADAMW is metered only; FLOOR on the fake group only
 METERED = (*CONTENDERS, ADAMW)
 FAKE_ROUNDS = 3  # times the rounds on gloo: a fake round is cheap, and its median steadier
 
@@ -190,6 +196,31 @@ class Fsdp2(Contender):
         return held
 
 
+class Floor(Contender):
+    """The floor of the owned contender's optimizer step: `muon_transform` alone on the
+    matrices this rank owns there, whole, as one process's dicts (fresh random gradients),
+    with nothing of funcshard's around it (no partition, no AdamW on the rest)."""
+
+    def __init__(self, owned: Funcshard) -> None:
+        mine = owned.opt_state.states["muon"].states  # this rank's Owned keys
+        named = dict(owned.model.named_parameters())
+        g = torch.Generator().manual_seed(1)
+        self.params = {f: named[f].detach().clone() for f in mine}
+        self.grads = {f: torch.randn(p.shape, generator=g) for f, p in self.params.items()}
+        self.opt = muon_transform(MUON_LR)
+        self.state = self.opt.init(self.params)
+
+    def grad(self) -> None:
+        pass
+
+    def step(self) -> None:
+        grads = {f: g.clone() for f, g in self.grads.items()}  # the step may write them
+        _, self.state = self.opt.update(grads, self.state, self.params, donate=True)
+
+    def held(self) -> object:
+        return (self.params, self.state)
+
+
 def _builders(spec: MuonSpec, world: int, x: torch.Tensor, y: torch.Tensor, model: GPT):
     """The timed contenders and, last, the AdamW reference (metered only)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -287,6 +318,7 @@ class MuonResult:
     peaks: dict[str, int]
     mean_peaks: dict[str, float]
     sent: dict[str, int]
+    mean_sent: dict[str, float]
 
 
 def measure(spec: MuonSpec, world_size: int) -> MuonResult:
@@ -302,6 +334,7 @@ def measure(spec: MuonSpec, world_size: int) -> MuonResult:
         peaks={n: max(r["peaks"][n] for r in results) for n in METERED},
         mean_peaks={n: statistics.mean(r["peaks"][n] for r in results) for n in METERED},
         sent={n: max(r["sent"][n] for r in results) for n in METERED},
+        mean_sent={n: statistics.mean(r["sent"][n] for r in results) for n in METERED},
     )
 
 
@@ -314,7 +347,7 @@ def table(
 ) -> str:
     """One row per world size and contender: gloo's times, the fake group's optimizer step
     (and its ratio to FSDP2's), peaks and bytes sent; the AdamW reference row is metered
-    only."""
+    only, the floor row (fake group) timed only."""
     rows = []
     for r in results:
         f = (fake or {}).get(r.world_size, {})
@@ -330,8 +363,12 @@ def table(
                     mib(r.peaks[n]),
                     mib(int(r.mean_peaks[n])),
                     mib(r.sent[n]),
+                    mib(int(r.mean_sent[n])),
                 ]
             )
+        if FLOOR in f:
+            row = ["", ms(f[FLOOR]), ratio(f[FLOOR], f[FSDP2]), "", "", "", "", ""]
+            rows.append([r.world_size, FLOOR, *row])
     headers = [
         "ranks",
         "contender",
@@ -341,7 +378,8 @@ def table(
         "train step ms: gloo",
         "peak MiB/rank: max",
         "mean",
-        "MiB sent/step",
+        "MiB sent/step: max",
+        "mean",
     ]
     return tabulate(rows, headers, fmt, disable_numparse=True)
 
@@ -354,8 +392,15 @@ def goals(results: list[MuonResult], fake: dict[int, dict[str, float]] | None = 
     if f:
         got = f[OWNED] / f[FSDP2]
         lines.append(f"- opt step vs FSDP2's, fake group: {got:.2f}x (goal <= 0.25x)")
+        if FLOOR in f:
+            floor = f[FLOOR] / f[FSDP2]
+            lines.append(f"  its floor (rank 0's Muon math alone) vs FSDP2's: {floor:.2f}x")
     got = r.sent[OWNED] / r.sent[ADAMW]
-    lines.append(f"- bytes sent per step vs even + AdamW: {got:.2f}x (goal <= 1.00x)")
+    mean = r.mean_sent[OWNED] / r.mean_sent[ADAMW]
+    lines.append(
+        f"- bytes sent per step vs even + AdamW: {got:.2f}x, largest rank's (goal <= 1.00x); "
+        f"{mean:.2f}x, mean over ranks"
+    )
     got = r.peaks[OWNED] / r.peaks[EVEN]
     lines.append(f"- peak per rank (max) vs even + whole_params: {got:.2f}x (goal <= 1.10x)")
     return "\n".join(lines)
@@ -376,7 +421,9 @@ def _fake(spec: MuonSpec, world_size: int) -> dict[str, float]:
         model = GPT(spec.cfg)
         x, y = random_tokens(spec.cfg, spec.batch, seed=0)
         builders = _builders(spec, world_size, x, y, model)
-        contenders = {n: builders[n]() for n in CONTENDERS}
+        contenders: dict[str, Contender] = {n: builders[n]() for n in CONTENDERS}
+        assert isinstance(contenders[OWNED], Funcshard)
+        contenders[FLOOR] = Floor(contenders[OWNED])
         times = _timed(
             contenders, spec.warmup, spec.rounds * FAKE_ROUNDS, lambda: None, time.thread_time
         )

@@ -41,9 +41,20 @@ the issue's goal of sending no more than the even placement with plain AdamW hol
 mean. With every unit's owners starting at rank 0, each rank sent a different amount (at 4
 ranks 83.5, 83.5, 73.9 and 55.1 MiB: ranks 0 and 1 owned every block's two largest
 matrices); owners now start at each block's index (`first_owner`), so alike blocks add up
-to the same load on every rank (tests/core/test_placement.py), and only the root differs.
-Even units with `whole_params` add its all-to-alls instead (about 3 * M * (N - 1) / N^2
-elements per rank for M elements of matrices: 20 MiB at 2 ranks, 15 MiB at 4).
+to the same load on every rank (tests/core/test_placement.py). Even units with
+`whole_params` add its all-to-alls instead (about 3 * M * (N - 1) / N^2 elements per rank
+for M elements of matrices: 20 MiB at 2 ranks, 15 MiB at 4).
+
+A step still sends unequal amounts per rank: backward regathers every unit but the one
+forward ran last (see [Note: resharding after forward] in funcshard/step/_regather.py), and
+3 of 4 rotated blocks do not add up alike. Counted on 4 gloo ranks (benchmarks/RESULTS.md):
+72.3, 74.0, 77.3 and 72.3 MiB, mean 74.0, the even placement's to the digit, no padding
+sent; rank 2 holds 1.62M of blocks 0-2's elements against a mean of 1.33M. No choice of
+owners evens that out here: with each block's loads 590K, 590K, 442K and 152K, three
+blocks sent twice and one sent once add up alike on no assignment of 4 ranks (and the
+layout does not know which unit backward keeps). An all-gather whose ranks send equal
+bytes would relay the heavy owners' parts through the light ones (two hops), which the
+exchange does not do.
 
 The choice of owners is a pure function of the shapes and the shard size, so every rank
 computes the same one, and a checkpoint, stored by FQN (funcshard/io/_checkpoint_dict.py), moves

@@ -112,6 +112,12 @@ class _Throttle:
         self.last = (pending, pending.result(), spec)
         return self.last[1]
 
+    def settle(self) -> None:
+        """Finish the reduce in flight, if any, freeing its input: called by a backward
+        before it makes the next one's input (see "Overlap, eagerly" in [Note: one
+        differentiable gather] in funcshard/step/_gather.py)."""
+        self._finish_last()
+
     def _finish_last(self) -> None:
         if self.last is None:
             return

@@ -35,12 +35,16 @@ node of the call's compute, so it runs once backward is through the whole call: 
 overlaps everything backward does after it, and the waits come in one fixed order.
 Collectives are issued in program order by construction: autograd's order on one thread is
 the same on every rank. At most one reduce-scatter is in flight (`_Throttle` in
-funcshard/step/_deferred_reduce.py): issuing one first waits for the last, which frees its
-full-size input, so backward never holds every unit's full gradient; on an HSDP mesh the
-finished reduce-scatter's all-reduce across replicas starts then, and its wait node waits
-for it. A wait node fed by two gathers (a unit gathered twice in one call) would meet two
-in-flight results in autograd's sum, so both reduce synchronously. Second-order, batched and
-traced backwards reduce synchronously through differentiable ops.
+funcshard/step/_deferred_reduce.py): a backward that will issue one first waits for the
+last, before it concatenates its own full-size input, so the last one's input is freed
+before the next is made and backward holds one unit's full gradient at a time, not two.
+Waiting after the concatenation held both, with the last one's receive buffers: the 10M
+GPT of `benchmarks.muon` with owned blocks peaked there on 4 ranks. The wait comes one
+copy of the gradient earlier, after the last reduce overlapped the unit's backward. On an
+HSDP mesh the finished reduce-scatter's all-reduce across replicas starts then, and its
+wait node waits for it. A wait node fed by two gathers (a unit gathered twice in one call)
+would meet two in-flight results in autograd's sum, so both reduce synchronously.
+Second-order, batched and traced backwards reduce synchronously through differentiable ops.
 
 A user's gather and reduce (`funcshard.Comm`, see [Note: communication as user functions] in
 funcshard/comm/_comm.py) take the place of the all-gather and the reduce-scatter in this same op:
@@ -194,6 +198,8 @@ class _Gather(torch.autograd.Function):
             and not torch.compiler.is_dynamo_compiling()
             and (_untraced(_alone) if "torch._dynamo" in sys.modules else _alone)(grads)
         )
+        if deferring:  # before this unit's flat is made: see "Overlap, eagerly" above
+            THROTTLE.settle()
         full = _concat(grads, spec)
         if spec.reduction == "none":
             return None, prepared(full, spec), None, None, None, None

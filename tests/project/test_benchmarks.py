@@ -158,13 +158,16 @@ def test_muon_benchmark_times_meters_and_counts_bytes_of_every_contender_and_sta
         assert result.step[name] > 0 and result.train[name] >= result.step[name]
     for name in muon.METERED:
         assert result.peaks[name] >= result.mean_peaks[name] > 0
-        assert result.sent[name] > 0
-    fake = {2: {n: 1e-3 for n in muon.CONTENDERS}}
+        assert result.sent[name] >= result.mean_sent[name] > 0
+    fake = {2: {n: 1e-3 for n in (*muon.CONTENDERS, muon.FLOOR)}}
     text = muon.table([result], fake, "github")
     for name in muon.METERED:
-        assert re.search(rf"^\| 2 +\| {re.escape(name)} .*\|( +[\d.]+ +\|){{3}}$", text, re.M)
+        assert re.search(rf"^\| 2 +\| {re.escape(name)} .*\|( +[\d.]+ +\|){{4}}$", text, re.M)
     assert re.search(r"owned \+ Muon +\|( +[\d.]+ +\|){2} 1.00x", text), text
-    assert "bytes sent per step vs even + AdamW" in muon.goals([result], fake)
+    assert re.search(rf"{re.escape(muon.FLOOR)} +\| +\| 1.00 +\| 1.00x", text), text
+    goals = muon.goals([result], fake)
+    assert "bytes sent per step vs even + AdamW" in goals and "mean over ranks" in goals
+    assert "its floor (rank 0's Muon math alone)" in goals
     state = muon.state_bytes(muon.QUICK_CFG, 2)
     for name in ("torch.optim, one process / 2", "funcshard muon + adamw", "stand-in"):
         assert name in state
