@@ -343,9 +343,17 @@ def keyword_tokens(step: int) -> tuple[dict, torch.Tensor]:
 
 
 def test_the_laws_hold_for_a_transformers_causal_lm_called_with_keywords():
+    """Two configurations (seed 0): one rank with every switch off, then FSDP on 2 ranks with
+    most recipe switches on, compiled (a transformers model traced by dynamo, called with
+    keywords). A third drew another compiled step (DDP 2 with checkpointing and a frozen
+    split), a third of the test's time: a compiled DDP step is
+    tests/compiling/test_compile.py's `[ddp]` case, checkpointing and frozen weights the
+    FSDP 2 configuration's too."""
     pytest.importorskip("transformers")
-    report = fs.testing.check(causal_lm, keyword_tokens, **QUICK)  # default_loss: .logits
+    check = {**QUICK, "examples": 2}
+    report = fs.testing.check(causal_lm, keyword_tokens, **check)  # default_loss: .logits
     assert report.ok, report.table()
+    assert any(c.world == 2 and c.compiled for c in report.configs), report.table()
 
 
 def _command(*argv: str) -> int:
