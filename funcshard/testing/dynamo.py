@@ -8,11 +8,12 @@ worker runs next: memory tests would count it, counters would add up across test
 from __future__ import annotations
 
 import functools
-import gc
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+
+from funcshard.testing import collector
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -44,11 +45,14 @@ def isolated(trace_autograd_ops: bool = True) -> Callable[[F], F]:
 def _compiled_since_reset() -> bool:
     """Whether dynamo ran since the last reset: its counters are cleared by `_reset` and count
     every frame it compiles. Most calls follow an isolated one, so the reset before them, and
-    its full garbage collection (about a second in a worker that compiled), is skipped."""
+    its garbage collection, is skipped."""
     return any(torch._dynamo.utils.counters.values())
 
 
 def _reset() -> None:
+    """Reset dynamo and collect; in a pool worker, freeze what is left, so the next reset's
+    collection walks only what was made since (see [Note: a worker's long-lived objects are
+    frozen])."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    gc.collect()
+    collector.collect()

@@ -28,7 +28,7 @@ from funcshard.comm import _exchange as exchange
 from funcshard.comm import _failures as failures
 from funcshard.comm import _trail as trail
 from funcshard.comm._mesh import shutdown
-from funcshard.testing import process_state
+from funcshard.testing import collector, process_state
 
 
 def task_name(fn: Callable[..., Any]) -> str:
@@ -104,6 +104,7 @@ def worker_main(
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
     )
+    collector.freeze_survivors()  # see [Note: a worker's long-lived objects are frozen]
     while True:
         try:
             payload = conn.recv_bytes()

@@ -11,13 +11,12 @@ A chaos point's `gc.collect()` is there to free what funcshard made (buffers, bo
 graphs) at a different moment on each rank. A worker also holds the 300k objects of torch
 and of earlier tasks, and a full collection over them took 0.3-1 s: six or so per
 configuration and rank were most of this test's time. The rank task runs inside
-`gc.freeze()` (undone when it ends): objects alive before it move to the collector's
+`only_new_objects()` (a freeze): objects alive before it move to the collector's
 permanent generation, which a collection skips, while everything the steps make is still
 collected at each chaos point.
 """
 
 import functools
-import gc
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ import torch.utils.checkpoint
 import funcshard as fs
 from funcshard import testing
 from funcshard.comm import _collectives as collectives
+from funcshard.testing.collector import only_new_objects
 from funcshard.testing.models import GPT, Block, GPTConfig, frozen_embedding_gpt, random_tokens
 
 STEPS = 1  # gradient steps per configuration: a second adds time, not coverage
@@ -105,11 +105,8 @@ def _steps(name: str, world_size: int, rank: int) -> tuple[list, list[torch.Tens
 
 
 def _under_chaos(world_size: int, seed: int, rank: int) -> dict:
-    gc.freeze()  # see [Note: chaos collects only the task's objects]
-    try:
+    with only_new_objects():  # see [Note: chaos collects only the task's objects]
         return _calm_and_chaotic(world_size, seed, rank)
-    finally:
-        gc.unfreeze()
 
 
 def _calm_and_chaotic(world_size: int, seed: int, rank: int) -> dict:

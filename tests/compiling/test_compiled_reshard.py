@@ -219,16 +219,34 @@ def test_blocks_compiled_one_by_one_inside_an_eager_sharded_step_give_eager_grad
     assert all(testing.run(_blocks_compiled_one_by_one, world_size=2, timeout=300))
 
 
+class _Hidden(torch.nn.Module):
+    """A unit of one linear layer and tanh: its weight is read again in backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
 @isolated()
 def _inductor(rank: int) -> dict:
     """fs.compile with inductor (its default backend): the schedule runs on inductor's
-    post-grad graph, where funcshard's tags and the backward marks survive. One block: the
-    root beside a resharding unit is all the property needs, and inductor's time grows with
-    the blocks (tests/DURATIONS.md). Its C++ kernels compile in this process: the suite sets
-    TORCHINDUCTOR_COMPILE_THREADS=1 (conftest.py). They compile at -O0 (inductor's
-    `aot_inductor.debug_compile`, which CPU kernels read too): gcc's -O3 on its 19 kernels
-    was a large part of this test's time, and how fast they run is not what it checks."""
-    _, state, x, y, step = _tiny_gpt_step(rank, n_layer=1)
+    post-grad graph, where funcshard's tags and the backward marks survive. A root of two
+    linear layers around one resharding unit (a linear layer and tanh): that is all the
+    property needs, and inductor's time grows with the kernels it writes and compiles, each
+    a gcc launch (a 1-block GPT wrote 19; tests/DURATIONS.md). Its C++ kernels compile in
+    this process: the suite sets TORCHINDUCTOR_COMPILE_THREADS=1 (conftest.py). They compile
+    at -O0 (inductor's `aot_inductor.debug_compile`, which CPU kernels read too): how fast
+    they run is not what this checks."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), _Hidden(), torch.nn.Linear(16, 1))
+    plan = fs.plan(model, policy=fs.policy.module_classes({_Hidden}))
+    state = fs.shard(model, plan, fs.Mesh(shard=2))
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+    step = fs.value_and_grad(lambda s, x, y: (fs.call(model, s, x) - y).square().mean())
     regathered = []
     schedule = compiled_schedule.schedule
 
@@ -249,7 +267,7 @@ def _inductor(rank: int) -> dict:
 
 def test_fs_compile_with_inductor_regathers_the_blocks_in_backward():
     result = testing.run(_inductor, world_size=2, timeout=300)[0]
-    assert result["regathered"] == [1]  # one graph; the block regathered, not the root
+    assert result["regathered"] == [1]  # one graph; the unit regathered, not the root
     assert result["close"]
 
 

@@ -5,7 +5,7 @@ demo's (2 blocks of d 32 over 16 tokens, not 4 of d 128 over 64): a leak is a te
 object left behind per step or per unit, whatever the units' sizes, and the smaller model
 makes each of the 200 steps cheaper, not fewer.
 
-The rank task runs inside `gc.freeze()` (undone when it ends), as tests/step/test_memory.py's
+The rank task runs inside `only_new_objects()` (a freeze), as tests/step/test_memory.py's
 [Note: walking only the task's objects] says: the collections (the two asked for, and those
 the interpreter runs by itself over 200 steps) and the object count skip the 300k objects a
 worker already holds; a leak is made by the steps, after the freeze, so it is still counted,
@@ -20,6 +20,7 @@ import torch
 import funcshard as fs
 from funcshard import testing
 from funcshard.cli import _demo as demo
+from funcshard.testing.collector import only_new_objects
 from funcshard.testing.memory import LiveTensors
 from funcshard.testing.models import GPT, Block
 
@@ -32,11 +33,8 @@ OBJECTS = 40
 
 
 def _soak(rank: int) -> dict:
-    gc.freeze()
-    try:
+    with only_new_objects():
         return _steps(rank)
-    finally:
-        gc.unfreeze()
 
 
 def _steps(rank: int) -> dict:

@@ -26,6 +26,7 @@ from torch.func import functional_call
 
 import funcshard as fs
 from funcshard import testing
+from funcshard.testing.collector import only_new_objects
 
 WORLD = {"fsdp": 2, "hsdp": 4, "ddp": 2}  # data-parallel size == world size on every mesh
 MESHES = list(WORLD)
@@ -494,15 +495,12 @@ def test_what_local_or_batched_gradients_cannot_express_is_refused():
 
 
 def _forward_only(rank: int) -> list[int]:
-    """Live tensor bytes after each of 4 forwards. Inside `gc.freeze()` (undone at the end):
+    """Live tensor bytes after each of 4 forwards. Inside `only_new_objects()` (a freeze):
     the collects and walks see only objects made here, not the 300k a worker holds after the
     suite's compiled tests (tests/step/test_memory.py's [Note: walking only the task's
     objects]); a graph kept alive is made here, so it is still seen."""
-    gc.freeze()
-    try:
+    with only_new_objects():
         return _forward_sizes(rank)
-    finally:
-        gc.unfreeze()
 
 
 def _forward_sizes(rank: int) -> list[int]:

@@ -6,11 +6,11 @@ The tests of live bytes across steps walk every object the garbage collector tra
 holds 300k such objects, and each collect and walk took seconds there, four of each per
 rank per test. `gc.freeze()` at the task's start moves every object already alive into the
 collector's permanent generation, which `gc.collect()` skips and `gc.get_objects()` leaves
-out; `gc.unfreeze()` puts them back when the task ends. A leak is made by the steps, after
-the freeze, so the walks still see it; what they skip is constant across the steps.
+out (`fs.testing.collector.only_new_objects`; they stay frozen with the worker's own, see
+[Note: a worker's long-lived objects are frozen]). A leak is made by the steps, after the
+freeze, so the walks still see it; what they skip is constant across the steps.
 """
 
-import contextlib
 import functools
 import gc
 import time
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import funcshard as fs
 from funcshard import testing
+from funcshard.testing.collector import only_new_objects
 from funcshard.testing.memory import LiveTensors, is_all_gather
 from funcshard.testing.models import GPT, Block, GPTConfig
 
@@ -195,19 +196,8 @@ def test_frozen_weights_are_resharded_after_forward_like_trainable_ones(how):
         assert peak <= bound, peak
 
 
-@contextlib.contextmanager
-def _new_objects_only():
-    """Inside the block, the collector collects and lists only objects made inside it (see
-    [Note: walking only the task's objects])."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def _live_tensor_bytes() -> int:
-    """Bytes of every real tensor alive in this process and made since `_new_objects_only`
+    """Bytes of every real tensor alive in this process and made since `only_new_objects`
     began, if it did (not subclasses such as the fake tensors a compile on this worker may
     have left for the collector)."""
     time.sleep(0.05)  # gloo's worker threads let go of finished collectives' tensors
@@ -220,7 +210,7 @@ def _live_tensor_bytes() -> int:
 
 
 def _bytes_over_steps(replicate: bool, rank: int) -> list:
-    with _new_objects_only():
+    with only_new_objects():
         return _steps_bytes(replicate, rank)
 
 
