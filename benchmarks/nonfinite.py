@@ -18,7 +18,10 @@ of the default's time over the other's in the same round, with a 95% interval fo
 median (order statistics: no assumption on the times' distribution). With `--what finite`,
 the check is also timed inside the default's steps (`finite.judged` and the optimizer's
 `finite.skip_this_step`, wrapped with a clock): its median per step over the step's median
-time is its share of the step, a figure the machine's drift between rounds does not blur.
+time is its share of the step, a figure the machine's drift between rounds does not blur. The
+unchecked step's `finite.judged` is timed too: it agrees on the unused parameters with an
+all-reduce of its own, which the default's all-gather carries instead, so the check's time
+less that one is what the default adds to a step.
 Unused parameters are noted by the gathers' backwards, ride the check's all-gather as a few
 int64 words and are read by the optimizer (see [Note: unused parameters] in
 funcshard/step/_usage.py): every parameter is used in these steps, so it measures what the
@@ -83,9 +86,10 @@ def _steps(
 
 
 @contextlib.contextmanager
-def timed_checks(times: list[float]) -> Iterator[None]:
+def timed_checks(times: list[float], off: list[float] | None = None) -> Iterator[None]:
     """Append to `times` the seconds each checked step spends in the non-finite check:
-    `finite.judged` issuing the verdict, then the optimizer reading it."""
+    `finite.judged` issuing the verdict, then the optimizer reading it; and to `off` those
+    an unchecked step spends in `finite.judged` (agreeing on the unused parameters alone)."""
     judged, skip_this_step = finite.judged, finite.skip_this_step
 
     def timed_judged(loss, grads, policy, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -93,6 +97,8 @@ def timed_checks(times: list[float]) -> Iterator[None]:
         out = judged(loss, grads, policy, *args, **kwargs)
         if policy != "off":
             times.append(time.perf_counter() - start)
+        elif off is not None:
+            off.append(time.perf_counter() - start)
         return out
 
     def timed_read(grads, skips):  # type: ignore[no-untyped-def]
@@ -111,14 +117,15 @@ def timed_checks(times: list[float]) -> Iterator[None]:
 
 def _samples(steps: dict, warmup: int, rounds: int, what: str) -> dict[str, list[float]]:
     """`interleaved_samples` of `steps`, with the check's own seconds per step as "check"
-    when `what` is "finite" (warm-up and settling steps included: the check does the same
-    work in each)."""
+    when `what` is "finite", and the unchecked step's `finite.judged` as "off check"
+    (warm-up and settling steps included: each does the same work in each)."""
     if what != "finite":
         return interleaved_samples(steps, warmup=warmup, rounds=rounds, settle=1)
     checks: list[float] = []
-    with timed_checks(checks):
+    offs: list[float] = []
+    with timed_checks(checks, offs):
         samples = interleaved_samples(steps, warmup=warmup, rounds=rounds, settle=1)
-    return {**samples, "check": checks}
+    return {**samples, "check": checks, "off check": offs}
 
 
 def paired_ratio(default: list[float], other: list[float]) -> tuple[float, float, float]:
@@ -136,6 +143,9 @@ def _row(where: str, samples: dict[str, list[float]], what: str) -> list:
     off, skip = statistics.median(samples[other]), statistics.median(samples[default])
     mid, low, high = paired_ratio(samples[default], samples[other])
     check = statistics.median(samples["check"]) if "check" in samples else None
+    # what the check adds: both modes agree on the unused parameters, the default on the
+    # check's all-gather, "off" on an all-reduce of its own (timed as "off check")
+    extra = check - statistics.median(samples["off check"]) if check is not None else None
     return [
         where,
         f"{off * 1e3:.2f}",
@@ -145,6 +155,8 @@ def _row(where: str, samples: dict[str, list[float]], what: str) -> list:
         f"{low:.4f}x to {high:.4f}x",
         "-" if check is None else f"{check * 1e3:.3f}",
         "-" if check is None else f"{check / skip:.2%}",
+        "-" if extra is None else f"{extra * 1e3:.3f}",
+        "-" if extra is None else f"{extra / skip:.2%}",
     ]
 
 
@@ -201,6 +213,8 @@ def main() -> None:
         "95% interval",
         "check ms (timed inside)",
         "check / skip step",
+        f"check - {other}'s own ms",
+        "that / skip step",
     ]
     print(tabulate(rows, headers=headers, tablefmt="github"))
 

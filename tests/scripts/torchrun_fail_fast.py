@@ -12,6 +12,9 @@ import funcshard as fs
 from funcshard.comm import _collectives as collectives
 
 mesh = fs.Mesh.from_env(timeout=timedelta(seconds=120))
+# one collective together first: rank 1 could otherwise leave while rank 0 was still
+# connecting gloo's mesh, which then fails inside init_process_group, not in the all-reduce
+collectives.all_reduce(torch.ones(1), mesh.shard_group, op="sum").wait()
 start = time.monotonic()
 try:
     with fs.fail_fast():
