@@ -1,9 +1,10 @@
 """What the step's default checks cost: `check_finite="skip"` (the default) against `"off"`,
 or (`--what unused`) tracking unused parameters (`unused="skip"`, the default) against
-`unused="zeros"`, interleaved in one process, on the overhead matrix's fake group and on
-real gloo ranks.
+`unused="zeros"`, or (`--what both`) the two defaults against neither (`check_finite="off",
+unused="zeros"`: a step as it was before either), interleaved in one process, on the
+overhead matrix's fake group and on real gloo ranks.
 
-    python -m benchmarks.nonfinite [--what finite|unused] [--rounds 200] [--gloo-rounds 40]
+    python -m benchmarks.nonfinite [--what finite|unused|both] [--rounds 200] [--gloo-rounds 40]
 
 The check is a sum over each gradient shard, one all-gather of (buffers + 3) int64 after the
 step's last reduction, and one read of the flags by the optimizer (see [Note: non-finite
@@ -54,6 +55,7 @@ from funcshard.testing.models import GPT, Block, GPTConfig, random_tokens
 COMPARISONS = {
     "finite": (("off", {"check_finite": "off"}), ("skip", {})),
     "unused": (("zeros", {"unused": "zeros"}), ("skip", {})),
+    "both": (("neither", {"check_finite": "off", "unused": "zeros"}), ("skip", {})),
 }
 FAKE_MESHES = {"FSDP": (1, 8), "HSDP 2x4": (2, 4), "DDP": (8, 1)}
 
