@@ -60,12 +60,12 @@ def sharded_tensor(
     )
 
     rank = dist.get_rank()  # placements name global ranks, whatever the group
-    device = pieces[0][1].device if pieces else like.device
+    first = pieces[0][1] if pieces else like
+    device = first.device
     shards = [
         Shard(values.reshape(-1), ShardMetadata([start], [values.numel()], f"rank:{rank}/{device}"))
         for start, values in pieces
     ]
-    first = pieces[0][1] if pieces else like
     properties = TensorProperties(
         dtype=first.dtype,
         layout=torch.strided,

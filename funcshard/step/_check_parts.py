@@ -79,15 +79,19 @@ class Parts:
         """The pieces of `leaves` this rank checks (None: none of it): see [Note: each copy
         checked once]."""
         return [
-            t
-            if t is None or n == 1
-            else _piece(t, n, i)
-            if t.numel() >= WHOLE
-            else t
-            if leaf % n == i  # a small leaf whole, by one of its holders in turn
-            else None
+            _checked(t, leaf, n, i)
             for leaf, (t, (n, i)) in enumerate(zip(leaves, self.cuts, strict=True))
         ]
+
+
+def _checked(t: Tensor | None, leaf: int, holders: int, mine: int) -> Tensor | None:
+    """What this rank (`mine` of `holders` alike copies) checks of leaf number `leaf`: all of
+    its own, its piece of a large copy, a small copy whole in its turn, else nothing."""
+    if t is None or holders == 1:
+        return t
+    if t.numel() >= WHOLE:
+        return _piece(t, holders, mine)
+    return t if leaf % holders == mine else None
 
 
 def _piece(t: Tensor, pieces: int, i: int) -> Tensor:
