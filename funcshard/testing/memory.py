@@ -9,11 +9,22 @@ tracked storages (`untyped_storage().resize_`, which FSDP2 uses to free and regr
 parameters, and which no dispatch mode sees) are counted too. Tensors made before the mode
 started are not counted unless adopted. Used by the memory tests and the benchmarks' "peak
 live tensor memory".
+
+[Note: a finished collective's tensors outlive its wait]
+A gloo collective's Work holds its tensors, and `wait()` returns once the work is marked
+done, while the process group's worker thread still holds the work. When that thread lets
+go, the last reference to a tensor Python knows is dropped, which needs the GIL: until the
+main thread releases it, the tensor (the global norm's 4-byte all-reduce buffer, say) still
+counts as live. So a reading taken right after a step may count one more small tensor than
+the same reading a step later, though nothing leaked; `settled()` sleeps (releasing the GIL)
+and collects before each read until the reads agree. Leak tests compare settled readings.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -84,6 +95,18 @@ class LiveTensors(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
         self.peak_watched = max(self.peak_watched, self.watched_live())
         return out
+
+    def settled(self, reads: int = 3, pause: float = 0.005, limit: float = 2.0) -> int:
+        """Live bytes once other threads have let go of finished collectives' tensors: read
+        after a collection, pausing between reads, until `reads` in a row agree (see
+        [Note: a finished collective's tensors outlive its wait]). At most `limit` seconds."""
+        last, agreed, deadline = None, 0, time.monotonic() + limit
+        while agreed < reads and time.monotonic() < deadline:
+            time.sleep(pause)  # hands the GIL to a thread waiting to free a tensor
+            gc.collect()
+            agreed = agreed + 1 if self.live == last else 1
+            last = self.live
+        return self.live
 
     def watched_live(self) -> int:
         """How many watched storages are live now (and not resized to nothing)."""
