@@ -48,6 +48,7 @@ kept (`parts`): a step reads them instead of rebuilding the names and asking the
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -78,10 +79,17 @@ class Parts:
     def of(self, leaves: list[Tensor | None]) -> list[Tensor | None]:
         """The pieces of `leaves` this rank checks (None: none of it): see [Note: each copy
         checked once]."""
+        if not self.shared:  # every leaf is this rank's own (FSDP): checked whole
+            return leaves
         return [
             _checked(t, leaf, n, i)
             for leaf, (t, (n, i)) in enumerate(zip(leaves, self.cuts, strict=True))
         ]
+
+    @functools.cached_property
+    def shared(self) -> bool:
+        """Whether some leaf is held alike by several ranks (cut among them)."""
+        return any(n > 1 for n, _ in self.cuts)
 
 
 def _checked(t: Tensor | None, leaf: int, holders: int, mine: int) -> Tensor | None:
@@ -96,7 +104,7 @@ def _checked(t: Tensor | None, leaf: int, holders: int, mine: int) -> Tensor | N
 
 def _piece(t: Tensor, pieces: int, i: int) -> Tensor:
     """Piece `i` of `pieces` even pieces of `t`'s flat view (a view, not a copy)."""
-    flat = t.reshape(-1)
+    flat = t if t.dim() == 1 else t.reshape(-1)  # (a flat buffer already: no view to make)
     n = flat.numel()
     start = n * i // pieces
     return flat.narrow(0, start, n * (i + 1) // pieces - start)

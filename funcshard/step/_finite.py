@@ -145,7 +145,7 @@ def issue(
     words = grads.usage.words() if grads.usage is not None else []
     at = len(checked) + len(words)  # then the first step's stuck-at-zero words (see [Note:
     words = [*words, *extra]  # parameters stuck at zero] in funcshard/step/_zero_start.py)
-    if mesh.device.type == "cpu":  # (eager: traced steps returned above) one tensor, made once
+    if mesh.device_type in (None, "cpu"):  # (eager: traced steps returned above) one tensor
         flags = torch.tensor([*_flags_on_host(checked), *words, *taken], dtype=torch.int64)
     else:
         flags = local_flags(checked, mesh.device)
@@ -178,7 +178,8 @@ def _gathered(
     mesh = grads.layout.mesh
     group = mesh.group if across_replicas else mesh.shard_group
     ranks = list(cut.ranks) if cut is not None else process_groups.group_ranks(group)
-    flags = flags.to(mesh.device)
+    if mesh.device_type not in (None, "cpu"):
+        flags = flags.to(mesh.device)
     every = collectives.all_gather(flags, group, what="<non-finite check>").wait()
     if exchange.backend_of(group) == "fake":  # (benchmarks: its collectives move no data,
         every = flags.expand(len(ranks), -1).reshape(-1)  # so every rank is taken to be this one)
