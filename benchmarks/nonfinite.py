@@ -4,7 +4,12 @@ or (`--what unused`) tracking unused parameters (`unused="skip"`, the default) a
 unused="zeros"`: a step as it was before either), interleaved in one process, on the
 overhead matrix's fake group and on real gloo ranks.
 
-    python -m benchmarks.nonfinite [--what finite|unused|both] [--rounds 200] [--gloo-rounds 40]
+    python -m benchmarks.nonfinite [--what finite|unused|both|split] [--rounds 200]
+        [--gloo-rounds 40]
+
+`--what split` runs four modes interleaved on the fake group (neither, the check alone, the
+tracking alone, both) and gives each against neither, and both against the check alone:
+each issue's own share of the step.
 
 The check is a sum over each gradient shard, one all-gather of (buffers + 3) int64 after the
 step's last reduction, and one read of the flags by the optimizer (see [Note: non-finite
@@ -57,6 +62,13 @@ COMPARISONS = {
     "unused": (("zeros", {"unused": "zeros"}), ("skip", {})),
     "both": (("neither", {"check_finite": "off", "unused": "zeros"}), ("skip", {})),
 }
+# `--what split`: each issue's share, every mode against neither (fake group cells only)
+SPLIT = (
+    ("neither", {"check_finite": "off", "unused": "zeros"}),
+    ("check", {"unused": "zeros"}),  # the check alone, as after issue 50 and before 51
+    ("unused", {"check_finite": "off"}),  # the tracking alone: its words go in an all-gather
+    ("skip", {}),  # both defaults
+)
 FAKE_MESHES = {"FSDP": (1, 8), "HSDP 2x4": (2, 4), "DDP": (8, 1)}
 
 
@@ -74,7 +86,7 @@ def _steps(
     opt = fs.optim.adamw(1e-3)
     box = {"state": state, "opt": opt.init(state)}
     steps = {}
-    for mode, options in COMPARISONS[what]:
+    for mode, options in SPLIT if what == "split" else COMPARISONS[what]:
         grad_fn = fs.value_and_grad(
             functools.partial(lambda m, s: lm_loss(fs.call(m, s, x), y), model), **options
         )
@@ -181,6 +193,31 @@ def fake_rows(rounds: int, what: str = "finite") -> list[list]:
         dist.destroy_process_group()
 
 
+def split_rows(rounds: int) -> list[list]:
+    """Each mode of `SPLIT` against neither, interleaved in one run, on the fake group's
+    cells: what the check adds, what the tracking adds alone and on top of the check."""
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=32, n_head=2, d_model=64)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = []
+        for name, (replicate, shard) in FAKE_MESHES.items():
+            mesh = fs.Mesh(replicate=replicate, shard=shard)
+            steps = _steps(cfg, mesh, 1, 0, replicate=shard == 1, what="split")
+            samples = interleaved_samples(steps, warmup=3, rounds=rounds, settle=1)
+            row = [f"fake group of 8, {name}", f"{statistics.median(samples['neither']) * 1e3:.2f}"]
+            for mode, _ in SPLIT[1:]:
+                mid, low, high = paired_ratio(samples[mode], samples["neither"])
+                row.append(f"{mid:.4f}x ({low:.4f}-{high:.4f})")
+            mid, low, high = paired_ratio(samples["skip"], samples["check"])
+            rows.append([*row, f"{mid:.4f}x ({low:.4f}-{high:.4f})"])
+        return rows
+    finally:
+        torch.set_num_threads(threads)
+        dist.destroy_process_group()
+
+
 def _gloo_samples(rounds: int, what: str, rank: int) -> dict[str, list[float]]:
     steps = _steps(CFG, fs.Mesh(shard=2), 2, rank, replicate=False, what=what)
     return _samples(steps, 2, rounds, what)
@@ -202,8 +239,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=200, help="fake group rounds per cell")
     parser.add_argument("--gloo-rounds", type=int, default=40)
-    parser.add_argument("--what", choices=tuple(COMPARISONS), default="finite")
+    parser.add_argument("--what", choices=(*COMPARISONS, "split"), default="finite")
     args = parser.parse_args()
+    if args.what == "split":
+        headers = ["step", "neither ms", *(f"{m} / neither" for m, _ in SPLIT[1:]), "skip / check"]
+        print(tabulate(split_rows(args.rounds), headers=headers, tablefmt="github"))
+        return
     rows = [*fake_rows(args.rounds, args.what), gloo_row(args.gloo_rounds, args.what)]
     other = COMPARISONS[args.what][0][0]
     headers = [
