@@ -185,10 +185,10 @@ def _gathered(
         every = flags.expand(len(ranks), -1).reshape(-1)  # so every rank is taken to be this one)
     scope = "every rank" if across_replicas else _SHARD_AXIS
     names = list(cut.names) if cut is not None else _names(grads)
-    verdict = Verdict(every, names, ranks, trails=trails, scope=scope, traced=traced, words=words)
-    if cut is not None:
-        verdict.copies = cut.copies
-    return verdict
+    copies = cut.copies if cut is not None else ()
+    return Verdict(
+        every, names, ranks, trails=trails, scope=scope, traced=traced, words=words, copies=copies
+    )
 
 
 def judged(

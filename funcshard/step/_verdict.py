@@ -25,6 +25,7 @@ class Verdict:
         scope: str = "every rank",
         traced: bool = False,
         words: int = 0,
+        copies: tuple[tuple[int, ...] | None, ...] = (),
     ) -> None:
         # every rank's flags, then `words` int64 of unused parameters (see [Note: unused
         # parameters] in funcshard/step/_usage.py), then its trail (with `trails`), by rank
@@ -42,7 +43,7 @@ class Verdict:
         # per leaf, the copy each rank holds (None: its own): a flag on one rank's piece of
         # a copy marks every holder (see [Note: each copy checked once] in
         # funcshard/step/_check_parts.py); () for none
-        self.copies: tuple[tuple[int, ...] | None, ...] = ()
+        self.copies = copies
 
     def rows(self) -> list[list[int]]:
         """Per rank: [loss not finite, then one flag per leaf]."""
