@@ -42,12 +42,12 @@ LONGEST_FIRST = (
     "tests/compiling/test_compile.py",
     "tests/testing/test_check.py",
     "tests/compiling/test_compiled_reshard.py",
-    "tests/project/test_benchmarks.py",
     "tests/recipes/test_recovery.py",
-    "tests/compiling/test_compile_recipes.py",
+    "tests/project/test_benchmarks.py",
     "tests/recipes/test_examples.py",
-    "tests/step/test_nonfinite_compiled.py",
-    "tests/compiling/test_split.py",
+    "tests/compiling/test_compile_recipes.py",
+    "tests/comm/test_progress.py",
+    "tests/testing/test_runner.py",
 )
 
 
