@@ -2,7 +2,7 @@
 needs per rank before launching it, check the sharding laws on your own model, try a
 sharded training run, check a checkpoint.
 
-  funcshard plan MODULE:FACTORY|CONFIG.json --world-size N [--mesh RxS] [--mp bf16]
+  funcshard plan MODULE:FACTORY|CONFIG.json --world-size N [--mesh RxS | --replicate] [--mp bf16]
                  [--placement even|owned] [--tokens BxT [--loss MODULE:FN]] [--device cuda]
                  [--checkpointing]
   funcshard check MODULE:FACTORY --batch MODULE:FACTORY [--loss MODULE:FN] [--quick]
@@ -47,6 +47,7 @@ REDUCE = {**DTYPES, "fp32": torch.float32}
 PLAN_EXAMPLES = """\
 examples:
   funcshard plan funcshard.testing.models:GPT --world-size 8
+  funcshard plan funcshard.testing.models:GPT --world-size 8 --replicate
   funcshard plan funcshard.testing.models:llama_7b --world-size 1024 --mp bf16
   funcshard plan mypkg.models:build --world-size 64 --mesh 8x8 --tokens 8x1024
   funcshard plan model:gpt --world-size 2 --tokens 12x1024 --loss model:loss
@@ -87,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     planner.add_argument("--world-size", type=int, required=True, help="ranks in all")
     planner.add_argument("--mesh", help="RxS: replicate x shard (HSDP); default 1xWORLD (FSDP)")
+    planner.add_argument(
+        "--replicate",
+        action="store_true",
+        help="the state funcshard.replicate makes (DDP): every rank holds every parameter, "
+        "its gradients in DDP's buckets; the mesh is WORLDx1",
+    )
     planner.add_argument("--mp", choices=sorted(DTYPES), help="gather and compute in this dtype")
     planner.add_argument(
         "--placement",
@@ -234,15 +241,21 @@ def _export_command(args: argparse.Namespace) -> int:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    replicate, shard = _mesh(args.mesh, args.world_size)
+    replicate, shard = _mesh(args.mesh, args.world_size, args.replicate)
+    if args.replicate:
+        _check_replicate(args)
     hf = args.factory.endswith(".json") or os.path.isdir(args.factory)
     factory = _config_model(args.factory) if hf else load(args.factory, "plan")
     with torch.device("meta"):
         model = factory()
     if args.checkpointing:
         _enable_checkpointing(model, args)
-    classes = unit_classes(model, args.units, "plan")
-    planned = plan(model, policy=module_classes(classes), placement=_placement(args, shard))
+    if args.replicate:  # units are DDP's buckets, which estimate makes as replicate does
+        planned, units = None, "DDP's gradient buckets"
+    else:
+        classes = unit_classes(model, args.units, "plan")
+        planned = plan(model, policy=module_classes(classes), placement=_placement(args, shard))
+        units = ", ".join(c.__name__ for c in classes)
     dtype = DTYPES.get(args.mp)
     reduce = REDUCE.get(args.reduce)
     mp = MixedPrecision(dtype, reduce) if dtype is not None or reduce is not None else None
@@ -258,12 +271,11 @@ def _plan_command(args: argparse.Namespace) -> int:
     result = estimate(
         planned, (replicate, shard), mp=mp, model=model, donate=args.donate,
         device=args.device, capability=_capability(args.capability),
-        attention=args.attention, **step,
+        attention=args.attention, replicate=args.replicate, **step,
     )  # fmt: skip
     print(
         f"{args.factory}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"mesh {replicate}x{shard} (replicate x shard), units: "
-        f"{', '.join(c.__name__ for c in classes)}"
+        f"mesh {replicate}x{shard} (replicate x shard), units: {units}"
         + (f", placement {args.placement}" if args.placement != "even" else "")
         + (f", batch {args.tokens} tokens per rank" if args.tokens else "")
         + (", activation checkpointing" if args.checkpointing else "")
@@ -385,11 +397,27 @@ def _sizes(text: str, option: str) -> tuple[int, int]:
     return a, b
 
 
-def _mesh(text: str | None, world: int) -> tuple[int, int]:
+def _check_replicate(args: argparse.Namespace) -> None:
+    """Refuse the options that shape sharded units, which a replicate state has none of."""
+    for given, option in ((args.units, "--units"), (args.placement != "even", "--placement")):
+        if given:
+            raise SystemExit(
+                f"funcshard plan --replicate: {option} shapes sharded units; a replicate "
+                f"state holds every parameter on every rank, in DDP's buckets. Leave "
+                f"{option} out, or drop --replicate to plan a sharded state."
+            )
+
+
+def _mesh(text: str | None, world: int, replicas_only: bool = False) -> tuple[int, int]:
     if world < 1:
         raise SystemExit(f"funcshard plan: --world-size must be positive, got {world}")
+    if replicas_only and text is not None and _sizes(text, "--mesh")[1] != 1:
+        raise SystemExit(
+            f"funcshard plan --replicate: every rank holds every parameter, so the mesh is "
+            f"{world}x1, not --mesh {text}. Leave --mesh out, or drop --replicate for HSDP."
+        )
     if text is None:
-        return 1, world
+        return (world, 1) if replicas_only else (1, world)
     replicate, shard = _sizes(text, "--mesh")
     if replicate * shard != world:
         raise SystemExit(

@@ -91,6 +91,29 @@ def test_the_plan_command_owns_the_units_within_the_bound_and_shows_each_placeme
     assert rows == {"blocks.0": "owned", "blocks.1": "owned", "<root>": "even"}, out
 
 
+def test_the_plan_command_plans_a_replicate_state_as_estimate_does(capsys):
+    code, out, err = _plan_command(capsys, "--world-size", "4", "--replicate")
+    assert code == 0, err
+    assert "mesh 4x1 (replicate x shard), units: DDP's gradient buckets" in out
+    with torch.device("meta"):
+        model = GPT()
+    assert estimate(None, 4, replicate=True, model=model).table() in out
+    assert "<bucket 0>" in out and "blocks.0" not in out
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (("--mesh", "2x2"), "the mesh is 4x1, not --mesh 2x2"),
+        (("--units", "Block"), "--units"),
+        (("--placement", "owned"), "--placement"),
+    ],
+)
+def test_the_plan_command_refuses_sharding_options_with_replicate(capsys, options, named):
+    code, _, err = _plan_command(capsys, "--world-size", "4", "--replicate", *options)
+    assert code != 0 and "funcshard plan --replicate: " in err and named in err
+
+
 def test_the_plan_command_names_a_bad_mesh(capsys):
     code, _, err = _plan_command(capsys, "--world-size", "8", "--mesh", "3x3")
     assert code != 0 and "--mesh 3x3 has 9 ranks, not 8" in err
