@@ -174,48 +174,42 @@ def _row(where: str, samples: dict[str, list[float]], what: str) -> list:
     ]
 
 
-def fake_rows(rounds: int, what: str = "finite") -> list[list]:
-    """The overhead matrix's GPT cells (batch 1, one thread) on a fake group of 8."""
+def _fake_samples(rounds: int, what: str) -> dict[str, dict[str, list[float]]]:
+    """`_samples` of each of the overhead matrix's GPT cells (batch 1, one thread) on a fake
+    group of 8, by the cell's name."""
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=32, n_head=2, d_model=64)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rows = []
+        cells = {}
         for name, (replicate, shard) in FAKE_MESHES.items():
             mesh = fs.Mesh(replicate=replicate, shard=shard)
             steps = _steps(cfg, mesh, 1, 0, replicate=shard == 1, what=what)
-            samples = _samples(steps, 3, rounds, what)
-            rows.append(_row(f"fake group of 8, {name}", samples, what))
-        return rows
+            cells[f"fake group of 8, {name}"] = _samples(steps, 3, rounds, what)
+        return cells
     finally:
         torch.set_num_threads(threads)
         dist.destroy_process_group()
+
+
+def fake_rows(rounds: int, what: str = "finite") -> list[list]:
+    """The overhead matrix's GPT cells on a fake group of 8: one row of `_row` each."""
+    return [_row(where, samples, what) for where, samples in _fake_samples(rounds, what).items()]
 
 
 def split_rows(rounds: int) -> list[list]:
     """Each mode of `SPLIT` against neither, interleaved in one run, on the fake group's
     cells: what the check adds, what the tracking adds alone and on top of the check."""
-    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=32, n_head=2, d_model=64)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rows = []
-        for name, (replicate, shard) in FAKE_MESHES.items():
-            mesh = fs.Mesh(replicate=replicate, shard=shard)
-            steps = _steps(cfg, mesh, 1, 0, replicate=shard == 1, what="split")
-            samples = interleaved_samples(steps, warmup=3, rounds=rounds, settle=1)
-            row = [f"fake group of 8, {name}", f"{statistics.median(samples['neither']) * 1e3:.2f}"]
-            for mode, _ in SPLIT[1:]:
-                mid, low, high = paired_ratio(samples[mode], samples["neither"])
-                row.append(f"{mid:.4f}x ({low:.4f}-{high:.4f})")
-            mid, low, high = paired_ratio(samples["skip"], samples["check"])
-            rows.append([*row, f"{mid:.4f}x ({low:.4f}-{high:.4f})"])
-        return rows
-    finally:
-        torch.set_num_threads(threads)
-        dist.destroy_process_group()
+    rows = []
+    for where, samples in _fake_samples(rounds, "split").items():
+        row = [where, f"{statistics.median(samples['neither']) * 1e3:.2f}"]
+        for mode, _ in SPLIT[1:]:
+            mid, low, high = paired_ratio(samples[mode], samples["neither"])
+            row.append(f"{mid:.4f}x ({low:.4f}-{high:.4f})")
+        mid, low, high = paired_ratio(samples["skip"], samples["check"])
+        rows.append([*row, f"{mid:.4f}x ({low:.4f}-{high:.4f})"])
+    return rows
 
 
 def _gloo_samples(rounds: int, what: str, rank: int) -> dict[str, list[float]]:

@@ -411,14 +411,14 @@ def _check_replicate(args: argparse.Namespace) -> None:
 def _mesh(text: str | None, world: int, replicas_only: bool = False) -> tuple[int, int]:
     if world < 1:
         raise SystemExit(f"funcshard plan: --world-size must be positive, got {world}")
-    if replicas_only and text is not None and _sizes(text, "--mesh")[1] != 1:
+    if text is None:
+        return (world, 1) if replicas_only else (1, world)
+    replicate, shard = _sizes(text, "--mesh")
+    if replicas_only and shard != 1:
         raise SystemExit(
             f"funcshard plan --replicate: every rank holds every parameter, so the mesh is "
             f"{world}x1, not --mesh {text}. Leave --mesh out, or drop --replicate for HSDP."
         )
-    if text is None:
-        return (world, 1) if replicas_only else (1, world)
-    replicate, shard = _sizes(text, "--mesh")
     if replicate * shard != world:
         raise SystemExit(
             f"funcshard plan: --mesh {text} has {replicate * shard} ranks, not {world}"
