@@ -1,5 +1,5 @@
 """A checksum of the collectives each rank issued since the last step's end, compared across
-ranks where a step already communicates: the non-finite check's all-gather.
+ranks where a step already communicates: the non-finite check's collective.
 
 [Note: the collectives' trail]
 Ranks that issue different collectives of the same size pair them without a word on NCCL,
@@ -25,6 +25,8 @@ limit reached on one rank), a trail that spans a call of `fs.compile` is not com
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +58,7 @@ def follow(op: str, numel: int, dtype: torch.dtype, what: str | None, group: str
     _TRAILS[group] = ((checksum * 1_000_003 + code) % _MODULUS, count + 1)
 
 
-def take(groups: list[str]) -> tuple[int, int]:
+def take(groups: Sequence[str]) -> tuple[int, int]:
     """The trail of these groups (the mesh's, in a fixed order of roles, each once) since
     the last `take` of them: (checksum, collectives); theirs start anew."""
     checksum, count = 0, 0

@@ -123,7 +123,7 @@ class Estimate:
     shard: int
     phases: Phases = field(default_factory=lambda: Phases(0, 0, 0))
     activations: bool = False  # whether a dry run of the step counted them
-    checks: int = 0  # bytes the step's own checks send (the non-finite verdict's all-gather)
+    checks: int = 0  # bytes the step's own checks send (the non-finite verdict's)
 
     @property
     def persistent(self) -> int:
@@ -294,7 +294,8 @@ def estimate(
         )  # fmt: skip
         assert model is not None  # checked above: loss_fn needs the model
         phases = dryrun.run_step(model, layout, replicas, shard, spec)
-        return Estimate(units, replicas, shard, phases, True, _checks(layout, replicas, shard))
+        checks = _checks(layout, replicas, shard, target.device)
+        return Estimate(units, replicas, shard, phases, True, checks)
     whole = bind(model, layout).whole_call if model is not None else None
     names = _names(plan)
     whole_units = {names[i] for i in whole} if whole is not None else {""}
@@ -304,17 +305,21 @@ def estimate(
         reshard=reshard_after_forward is not False and copies, prefetch=prefetch,
         copies=copies, sizes=(replicas, shard),
     )  # fmt: skip
-    return Estimate(units, replicas, shard, phases, checks=_checks(layout, replicas, shard))
+    checks = _checks(layout, replicas, shard, target.device)
+    return Estimate(units, replicas, shard, phases, checks=checks)
 
 
-def _checks(layout: Any, replicate: int, shard: int) -> int:
+def _checks(layout: Any, replicate: int, shard: int, device: str) -> int:
     """What the default non-finite verdict sends per rank: its flags (one per buffer and
     replicated parameter, the loss's, the collectives' trail: int64) and the unused
     parameters' words to every other rank (see [Note: non-finite steps skipped by default]
-    in funcshard/step/_finite.py, [Note: unused parameters] in funcshard/step/_usage.py)."""
+    in funcshard/step/_finite.py, [Note: unused parameters] in funcshard/step/_usage.py);
+    twice that on a CPU DDP mesh, whose verdict is an all-reduce of every rank's row (see
+    [Note: the verdict's exchange on the host] in funcshard/comm/_host_rows.py)."""
     words = len(usage.words_of(layout, frozenset()))
     flags = len(layout.flats) + len(layout.replicated) + 3 + words
-    return flags * 8 * (replicate * shard - 1)
+    by_all_reduce = device == "cpu" and shard == 1
+    return flags * 8 * (replicate * shard - 1) * (2 if by_all_reduce else 1)
 
 
 def _default_device() -> str:

@@ -69,12 +69,14 @@ class Parts:
     `names`: each leaf as a verdict names it; `ranks`: the verdict's group in group order;
     `cuts`: per leaf, (pieces, the piece this rank checks), (1, 0) for the whole leaf;
     `copies`: per leaf, for each rank of `ranks`, the copy of it that rank holds (None:
-    each rank holds its own)."""
+    each rank holds its own); `trail_groups`: the names of the mesh's groups whose trails
+    the verdict carries (see [Note: the collectives' trail] in funcshard/comm/_trail.py)."""
 
     names: tuple[str, ...]
     ranks: tuple[int, ...]
     cuts: tuple[tuple[int, int], ...]
     copies: tuple[tuple[int, ...] | None, ...]
+    trail_groups: tuple[str, ...] = ()
 
     def of(self, leaves: list[Tensor | None]) -> list[Tensor | None]:
         """The pieces of `leaves` this rank checks (None: none of it): see [Note: each copy
@@ -149,9 +151,11 @@ def _parts(layout: Layout, across_replicas: bool, alike: bool) -> Parts:
         mine = process_groups.group_rank(group)
         replicated = ((len(ranks), mine), (0,) * len(ranks))
     chosen = [shard] * len(layout.flats) + [replicated] * len(layout.replicated)
+    roles = (mesh.group, mesh.shard_group, mesh.replicate_group)  # (the trail's fixed order)
     return Parts(
         names=names,
         ranks=ranks,
         cuts=tuple(cut for cut, _ in chosen),
         copies=tuple(copies for _, copies in chosen),
+        trail_groups=tuple(dict.fromkeys(g.group_name for g in roles)),
     )

@@ -34,9 +34,11 @@ the local gradient shards, and over a gradient all-reduced alike on k ranks (DDP
 HSDP's shards across replicas, replicated parameters) each of them passes over its 1/k (see
 [Note: each copy checked once] in funcshard/step/_check_parts.py): on the overhead
 matrix's DDP cell (8 ranks) that took the check from 0.77 to 0.41 ms a step (2.7% to 1.6%). On
-the CPU it is a sum per leaf, finite unless the leaf holds
-NaN or inf or finite values whose sum overflows, so a leaf whose sum is not finite is then
-looked at element by element and large finite gradients never count; on a GPU (and when
+the CPU one call asks whether any element of the leaves is NaN or inf, and only then is
+each leaf looked at (see [Note: one op asks whether anything is non-finite] in
+funcshard/step/_host_flags.py), and the rows are built and exchanged on the host by the
+kind of collective the step's reductions use (an all-reduce on DDP: see [Note: the
+verdict's exchange on the host] in funcshard/comm/_host_rows.py); on a GPU (and when
 traced) every element is looked at on the device, which spares a host sync.
 
 [Note: a compiled step's skip is a masked update]
@@ -61,7 +63,6 @@ Plain params dicts (single process) are checked only with "raise".
 
 from __future__ import annotations
 
-import cmath
 import contextlib
 import dataclasses
 import warnings
@@ -75,15 +76,18 @@ from torch.utils import _pytree as torch_pytree
 
 from funcshard.comm import _collectives as collectives
 from funcshard.comm import _exchange as exchange
+from funcshard.comm import _host_rows as host_rows
 from funcshard.comm import _process_groups as process_groups
 from funcshard.comm import _trail as trail
 from funcshard.core._groups import GroupView
 from funcshard.core._state import LocalGrads, ShardedGrads
 from funcshard.step import _check_parts as check_parts
+from funcshard.step import _host_flags as host_flags
 from funcshard.step import _usage as usage
 from funcshard.step._verdict import Verdict as Verdict
 
 POLICIES = ("skip", "raise", "off")
+_WHAT = "<non-finite check>"  # the verdict's collective, as errors name it
 MAX_CONSECUTIVE_SKIPS = 10  # then NonFiniteError: see [Note: non-finite steps skipped by default]
 
 
@@ -126,32 +130,33 @@ def issue(
     of the gradients reduced alike on several ranks (`alike`: by funcshard's all-reduce;
     see [Note: each copy checked once] in funcshard/step/_check_parts.py)."""
     leaves = grads.leaves()
-    tensors = [t for t in leaves if t is not None]
-    if loss is not None:
-        tensors.append(loss)
     mesh = grads.layout.mesh
-    if collectives.tracing(tensors):
+    # one tensor tells: under make_fx or fake tensors all are fake, under dynamo it compiles
+    first = loss if loss is not None else next((t for t in leaves if t is not None), None)
+    if collectives.tracing(() if first is None else (first,)):
         if not torch.compiler.is_dynamo_compiling():
             return None  # make_fx (fs.trace): nothing would read the flags on the host
         flags = local_flags([None if loss is None else loss.detach(), *leaves], mesh.device)
         return _gathered(flags, grads, across_replicas, traced=True)
     cut = check_parts.parts(grads.layout, across_replicas, alike)
-    checked = [None if loss is None else loss.detach(), *cut.of(leaves)]
+    checked = [loss, *cut.of(leaves)]  # (read under no_grad: no detach needed)
     # the collectives this rank issued since the last verdict: see [Note: the collectives'
     # trail] in funcshard/comm/_trail.py
-    roles = [mesh.group, mesh.shard_group, mesh.replicate_group]
-    taken = trail.take([g.group_name for g in roles])
+    taken = trail.take(cut.trail_groups)
     # then the unused parameters' words (see [Note: unused parameters])
     words = grads.usage.words() if grads.usage is not None else []
     at = len(checked) + len(words)  # then the first step's stuck-at-zero words (see [Note:
     words = [*words, *extra]  # parameters stuck at zero] in funcshard/step/_zero_start.py)
-    if mesh.device_type in (None, "cpu"):  # (eager: traced steps returned above) one tensor
-        flags = torch.tensor([*_flags_on_host(checked), *words, *taken], dtype=torch.int64)
+    if mesh.device_type in (None, "cpu"):  # (eager: traced steps returned above) on the host
+        values = [*host_flags.flags_on_host(checked), *words, *taken]
+        verdict = _gathered(
+            None, grads, across_replicas, trails=True, words=len(words), cut=cut, values=values
+        )
     else:
-        flags = local_flags(checked, mesh.device)
+        flags = local_flags([None if loss is None else loss.detach(), *checked[1:]], mesh.device)
         rest = torch.tensor([*words, *taken], dtype=torch.int64, device=mesh.device)
         flags = torch.cat([flags, rest])
-    verdict = _gathered(flags, grads, across_replicas, trails=True, words=len(words), cut=cut)
+        verdict = _gathered(flags, grads, across_replicas, trails=True, words=len(words), cut=cut)
     if grads.usage is not None:
         grads.usage.agree_by(verdict._every, verdict.width(), len(checked))
     verdict.extra = (at, len(extra))
@@ -159,13 +164,14 @@ def issue(
 
 
 def _gathered(
-    flags: Tensor,
+    flags: Tensor | None,
     grads: Any,
     across_replicas: bool,
     trails: bool = False,
     traced: bool = False,
     words: int = 0,
     cut: check_parts.Parts | None = None,
+    values: list[int] | None = None,
 ) -> Verdict:
     """The verdict on every rank's `flags`, gathered over the ranks that reduced `grads`
     together (the shard axis alone without `across_replicas`). The all-gather is waited
@@ -174,15 +180,21 @@ def _gathered(
     host reads the flags only when they are asked for). Traced, it is one collective in
     the graph (see [Note: bookkeeping outside compiled graphs] in comm/_collectives.py).
     `cut`: the parts each rank checked (see [Note: each copy checked once]), whose names
-    and ranks were worked out once."""
+    and ranks were worked out once. `values`: the eager CPU step's flags, words and trail
+    as ints (instead of `flags`), exchanged on the host (see [Note: the verdict's exchange
+    on the host] in funcshard/comm/_host_rows.py)."""
     mesh = grads.layout.mesh
     group = mesh.group if across_replicas else mesh.shard_group
     ranks = list(cut.ranks) if cut is not None else process_groups.group_ranks(group)
-    if mesh.device_type not in (None, "cpu"):
-        flags = flags.to(mesh.device)
-    every = collectives.all_gather(flags, group, what="<non-finite check>").wait()
-    if exchange.backend_of(group) == "fake":  # (benchmarks: its collectives move no data,
-        every = flags.expand(len(ranks), -1).reshape(-1)  # so every rank is taken to be this one)
+    if values is not None:
+        every = host_rows.every_rank(values, group, by_all_reduce=mesh.shard == 1, what=_WHAT)
+    else:
+        assert flags is not None
+        if mesh.device_type not in (None, "cpu"):
+            flags = flags.to(mesh.device)
+        every = collectives.all_gather(flags, group, what=_WHAT).wait()
+        if exchange.backend_of(group) == "fake":  # (benchmarks: its collectives move no
+            every = flags.expand(len(ranks), -1).reshape(-1)  # data: every rank is this one)
     scope = "every rank" if across_replicas else _SHARD_AXIS
     names = list(cut.names) if cut is not None else _names(grads)
     copies = cut.copies if cut is not None else ()
@@ -204,7 +216,7 @@ def judged(
     some rank's loss or gradients are not finite; "skip" gives sharded gradients their
     verdict (see `issue`: a graph node when dynamo traces, none under make_fx); "off"
     leaves them alone. Sharded gradients that track unused parameters have them agreed by
-    the verdict's all-gather, or (with "off") by one of their own (see [Note: unused
+    the verdict's collective, or (with "off") by one of their own (see [Note: unused
     parameters] in funcshard/step/_usage.py). `extra` words ride the verdict (the first
     step's stuck-at-zero check, given only where a verdict is issued). `alike`: whether
     funcshard's own all-reduce reduced the buffers across replicas (`check_parts.alike`)."""
@@ -374,10 +386,10 @@ def read_compiled_verdicts(stacklevel: int = 3) -> None:
 def local_flags(tensors: list[Tensor | None], device: torch.device | None = None) -> Tensor:
     """One int64 per tensor: 1 where it holds a NaN or inf (None counts as finite).
 
-    A sum per tensor is the cheap test: it is finite unless the tensor holds NaN or inf, or
-    finite values whose sum overflows; a tensor whose sum is not finite is looked at element
-    by element, so large finite values never count. Off the CPU and traced, every element is
-    looked at, on the device (no host decision, no sync).
+    On the CPU, one call asks whether anything is NaN or inf and only then is each tensor
+    looked at (see [Note: one op asks whether anything is non-finite]); large finite values
+    never count. Off the CPU and traced, every element is looked at, on the device (no
+    host decision, no sync).
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.int64, device=device)
@@ -392,26 +404,7 @@ def local_flags(tensors: list[Tensor | None], device: torch.device | None = None
                 for t in tensors
             ]
         ).to(torch.int64)
-    return torch.tensor(_flags_on_host(tensors), dtype=torch.int64, device=device)
-
-
-def _flags_on_host(tensors: list[Tensor | None]) -> list[int]:
-    """`local_flags` of CPU tensors outside a trace, as ints (`issue` puts the trail after
-    them and makes one tensor of both).
-
-    Each sum is read on the host as soon as it is made (a Python float, or a complex whose
-    two parts `cmath.isfinite` both looks at), which costs less than stacking the sums and
-    testing them as a tensor: about 80 against 120 us a step for the overhead matrix's 34
-    tensors. Only a tensor whose sum is not finite is looked at element by element.
-    """
-    with torch.no_grad():  # (one context, not a detach per tensor: this runs every step)
-        flags = [0 if t is None or cmath.isfinite(t.sum().item()) else 1 for t in tensors]
-        if any(flags):  # NaN or inf, or large finite values whose sum overflowed
-            flags = [
-                1 if flag and t is not None and not bool(t.isfinite().all()) else 0
-                for flag, t in zip(flags, tensors, strict=True)
-            ]
-    return flags
+    return torch.tensor(host_flags.flags_on_host(tensors), dtype=torch.int64, device=device)
 
 
 def any_nonfinite(grads: Any) -> bool:
@@ -428,9 +421,7 @@ def any_nonfinite(grads: Any) -> bool:
     bad = local_flags(leaves).sum().reshape(1)
     if isinstance(grads, ShardedGrads | LocalGrads | GroupView):
         mesh = grads.layout.mesh
-        bad = collectives.all_reduce(
-            bad.to(mesh.device), mesh.group, "sum", what="<non-finite check>"
-        ).wait()
+        bad = collectives.all_reduce(bad.to(mesh.device), mesh.group, "sum", what=_WHAT).wait()
     return bool(bad.item() > 0)
 
 

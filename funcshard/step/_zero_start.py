@@ -15,7 +15,7 @@ The first reduced step of that layout checks, on each rank, which of them are st
 zero in the state it differentiates (a checkpoint loaded since clears them) and whose
 reduced gradient pieces are all zero, and packs them as int64 words in the tracked
 parameters' order (`usage.words_of`); a rank holding no piece of a parameter says yes. The
-words ride the non-finite verdict's all-gather, after the unused parameters' words: no
+words ride the non-finite verdict's collective, after the unused parameters' words: no
 collective of their own. Every rank ANDs the columns, so a parameter is named only if every
 rank saw zeros, and every rank decides alike; the parameters no rank used (the agreed
 `grads.unused`) are left out: they got no gradient at all. Whether the words ride is the

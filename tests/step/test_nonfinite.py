@@ -232,3 +232,33 @@ def test_flags_are_exactly_the_tensors_holding_nan_or_inf(dtype):
 def test_check_finite_refuses_an_unknown_policy_naming_the_choices():
     with pytest.raises(ValueError, match=r"'skip' \(the default.*'raise'.*'off', got 'warn'"):
         fs.value_and_grad(lambda p: p["w"].sum(), check_finite="warn")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_check_leaves_the_tensors_bit_for_bit(dtype):
+    # the one-call check writes fp32/fp64 values back: same bits, NaN payloads too
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    half = 0x7D01 if dtype == torch.float16 else 0x7F81
+    signaling = {2: half, 4: 0x7F800001, 8: 0x7FF0000000000001}
+    g = torch.Generator().manual_seed(7)
+    clean = torch.randn(300, generator=g).to(dtype)
+    poisoned = torch.randn(300, generator=g).to(dtype).view(ints)
+    poisoned[11] = signaling[dtype.itemsize]
+    poisoned = poisoned.view(dtype)
+    inf = torch.randn(300, generator=g).to(dtype)
+    inf[5] = -float("inf")
+    tensors = [clean, poisoned, inf]
+    bits = [t.view(ints).clone() for t in tensors]
+    versions = [t._version for t in tensors]
+    assert local_flags(tensors).tolist() == [0, 1, 1]
+    assert local_flags([clean]).tolist() == [0]
+    assert all(torch.equal(t.view(ints), b) for t, b in zip(tensors, bits, strict=True))
+    assert [t._version for t in tensors] == versions
+
+
+def test_tensors_the_one_call_check_refuses_are_summed_instead():
+    overlapping = torch.tensor([1.0, float("inf")]).expand(3, 2)  # one element, three places
+    with torch.inference_mode():
+        inference = torch.tensor([float("nan"), 1.0])
+    assert local_flags([torch.ones(4), overlapping, inference]).tolist() == [0, 1, 1]
+    assert local_flags([torch.ones(4), torch.ones(2).expand(3, 2)]).tolist() == [0, 0]
