@@ -158,7 +158,7 @@ def issue(
         flags = torch.cat([flags, rest])
         verdict = _gathered(flags, grads, across_replicas, trails=True, words=len(words), cut=cut)
     if grads.usage is not None:
-        grads.usage.agree_by(verdict._every, verdict.width(), len(checked))
+        grads.usage.agree_by(verdict.values, verdict.width(), len(checked))
     verdict.extra = (at, len(extra))
     return verdict
 

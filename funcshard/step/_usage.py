@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -164,10 +164,10 @@ def words_of(layout: Layout, unused: frozenset[str]) -> list[int]:
     return words
 
 
-def agreed(layout: Layout, every: Tensor, width: int, offset: int, n: int) -> frozenset[str]:
+def agreed(layout: Layout, values: list[int], width: int, offset: int, n: int) -> frozenset[str]:
     """The tracked parameters whose bit is set in every rank's `n` words (at `offset` of each
-    rank's row of `width` in `every`, as an all-gather delivered them): one host read."""
-    values = every.tolist()
+    rank's row of `width` in `values`, every rank's rows one after another, as read from
+    the verdict's collective)."""
     rows = [values[i + offset : i + offset + n] for i in range(0, len(values), width)]
     words = [functools.reduce(operator.and_, column) for column in zip(*rows, strict=True)]
     if not any(words):  # (the usual step: nothing to decode)
@@ -182,7 +182,8 @@ class Usage:
 
     def __init__(self, layout: Layout, local: frozenset[str]) -> None:
         self.layout, self.local = layout, local
-        self._every: Tensor | None = None  # every rank's row, the words at [offset, +n)
+        # reads every rank's rows (the verdict's, or an all-gather's), the words at [offset, +n)
+        self._read: Callable[[], list[int]] | None = None
         self._width = self._offset = 0
         self._parts: tuple[Usage, Usage] | None = None
         self._agreed: frozenset[str] | None = None
@@ -190,10 +191,11 @@ class Usage:
     def words(self) -> list[int]:
         return words_of(self.layout, self.local)
 
-    def agree_by(self, every: Tensor, width: int, offset: int) -> None:
-        """Read the agreed set from `every` (all ranks' rows of `width`, this usage's words
-        at `offset`) when it is first asked for."""
-        self._every, self._width, self._offset = every, width, offset
+    def agree_by(self, read: Callable[[], list[int]], width: int, offset: int) -> None:
+        """Read the agreed set from what `read` returns (all ranks' rows of `width`, this
+        usage's words at `offset`) when it is first asked for: the verdict reads its
+        collective's result once for both."""
+        self._read, self._width, self._offset = read, width, offset
 
     def unused(self) -> frozenset[str]:
         """The parameters no rank used (this rank's own set before agreement)."""
@@ -202,11 +204,11 @@ class Usage:
         if self._parts is not None:
             a, b = self._parts
             self._agreed = a.unused() & b.unused()
-        elif self._every is None:
+        elif self._read is None:
             return self.local
         else:
             n = len(self.words())
-            self._agreed = agreed(self.layout, self._every, self._width, self._offset, n)
+            self._agreed = agreed(self.layout, self._read(), self._width, self._offset, n)
         return self._agreed
 
     def merged(self, other: Usage | None) -> Usage:
@@ -226,4 +228,4 @@ def agreed_alone(usage: Usage, group: Any) -> None:
         return
     mine = torch.tensor(words, dtype=torch.int64, device=usage.layout.mesh.device)
     every = collectives.all_gather(mine, group, what="<unused parameters>").wait()
-    usage.agree_by(every, len(words), 0)
+    usage.agree_by(every.tolist, len(words), 0)

@@ -36,6 +36,7 @@ class Verdict:
         self.traced = traced  # `_every` is a node of a graph being compiled: never read here
         self._parts: tuple[Verdict, Verdict] | None = None  # of a merged verdict
         self._rows: list[list[int]] | None = None
+        self._values: list[int] | None = None  # `_every` read on the host
         self.acted = False  # an optimizer has decided on it (warned, or counted it finite)
         # where other words sit in each rank's row, and how many: see [Note: parameters
         # stuck at zero] in funcshard/step/_zero_start.py
@@ -53,7 +54,7 @@ class Verdict:
                 [max(x, y) for x, y in zip(p, q, strict=True)] for p, q in zip(a, b, strict=True)
             ]
         if self._rows is None:
-            every = self._every.tolist()  # (one flat list: cheaper than nested ones)
+            every = self.values()
             width = len(every) // len(self.ranks)
             starts = range(0, len(every), width)
             if self._trails:
@@ -62,6 +63,13 @@ class Verdict:
             width -= self._words
             self._rows = _shared([every[i : i + width] for i in starts], self.copies)
         return self._rows
+
+    def values(self) -> list[int]:
+        """Every rank's row, one after another, read on the host once (one flat list: cheaper
+        than nested ones); the unused parameters' words are read from it too."""
+        if self._values is None:
+            self._values = self._every.tolist()
+        return self._values
 
     def finite(self) -> bool:
         if self._rows is None and self._parts is None and self._alike_and_clear():
@@ -72,7 +80,7 @@ class Verdict:
         """Whether every rank sent the same row (the same trail, the same words) and it
         flags nothing: a finite step's verdict, told from one read of the flags without
         building the rows (this runs every step)."""
-        every = self._every.tolist()
+        every = self.values()
         width = len(every) // len(self.ranks)
         flags = width - self._words - (2 if self._trails else 0)
         return not any(every[:flags]) and every == every[:width] * len(self.ranks)

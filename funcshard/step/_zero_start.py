@@ -90,7 +90,7 @@ def warn(grads: ShardedGrads, where: str) -> None:
     if verdict is None:  # (a verdict's check raised instead)
         return
     at, n = verdict.extra
-    everywhere = usage.agreed(grads.layout, verdict._every, verdict.width(), at, n)
+    everywhere = usage.agreed(grads.layout, verdict.values(), verdict.width(), at, n)
     stuck = [name for name in usage.tracked(grads.layout) if name in everywhere - grads.unused]
     if stuck:
         warnings.warn(

@@ -24,11 +24,11 @@ def test_words_agree_to_what_no_rank_used(unused_per_rank):
     assert all(0 <= w < 2**62 for row in rows for w in row) and len(rows[0]) == 3
     every = torch.tensor([w for row in rows for w in row], dtype=torch.int64)
     mine = usage.Usage(_LAYOUT, sets[0])
-    mine.agree_by(every, len(rows[0]), 0)
+    mine.agree_by(every.tolist, len(rows[0]), 0)
     assert mine.unused() == frozenset.intersection(*sets)
     # micro-batches: unused only where unused in both halves
     other = usage.Usage(_LAYOUT, sets[-1])
-    other.agree_by(every, len(rows[0]), 0)
+    other.agree_by(every.tolist, len(rows[0]), 0)
     assert mine.merged(other).unused() == frozenset.intersection(*sets)
 
 
