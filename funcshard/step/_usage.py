@@ -168,6 +168,8 @@ def agreed(layout: Layout, values: list[int], width: int, offset: int, n: int) -
     """The tracked parameters whose bit is set in every rank's `n` words (at `offset` of each
     rank's row of `width` in `values`, every rank's rows one after another, as read from
     the verdict's collective)."""
+    if not any(values[offset : offset + n]):  # (the usual step: rank 0's words are all
+        return frozenset()  # zero, so no bit survives the AND)
     rows = [values[i + offset : i + offset + n] for i in range(0, len(values), width)]
     words = [functools.reduce(operator.and_, column) for column in zip(*rows, strict=True)]
     if not any(words):  # (the usual step: nothing to decode)
@@ -187,9 +189,12 @@ class Usage:
         self._width = self._offset = 0
         self._parts: tuple[Usage, Usage] | None = None
         self._agreed: frozenset[str] | None = None
+        self._words: list[int] | None = None
 
     def words(self) -> list[int]:
-        return words_of(self.layout, self.local)
+        if self._words is None:  # (asked when the verdict is issued and when it is read)
+            self._words = words_of(self.layout, self.local)
+        return self._words
 
     def agree_by(self, read: Callable[[], list[int]], width: int, offset: int) -> None:
         """Read the agreed set from what `read` returns (all ranks' rows of `width`, this
