@@ -1,9 +1,9 @@
-"""Non-finite flags of CPU tensors, and every rank's flags, worked out on the host: the eager
-CPU step's check (see [Note: non-finite steps skipped by default] in
-funcshard/step/_finite.py). Right after a backward, where the check runs, each distinct op
-and each line of Python is paid cold (the first `torch.empty` after a backward of 100
-small layers took 9-11 us, the second 1.3), so what counts here is how few different
-things the check does, more than how much work each does.
+"""Non-finite flags of CPU tensors, read on the host: the eager CPU step's check (see [Note:
+non-finite steps skipped by default] in funcshard/step/_finite.py; its rows cross the mesh
+as funcshard/comm/_host_rows.py says). Right after a backward, where the check runs, each
+distinct op and each line of Python is paid cold (the first `torch.empty` after a backward
+of 100 small layers took 9-11 us, the second 1.3), so what counts here is how few
+different things the check does, more than how much work each does.
 
 [Note: one op asks whether anything is non-finite]
 A step's gradients are finite far more often than not, so the common question is whether
