@@ -4,9 +4,10 @@ skipped by default] in funcshard/step/_finite.py).
 
 [Note: the verdict's exchange on the host]
 The flags, the unused parameters' words and the trail are Python ints, so a rank's row
-needs no op to be built: it is written into an `array` that a tensor views
-(`torch.frombuffer`), not made by `torch.tensor` (17 against 29 us as the first op after a
-backward, where the verdict runs and each distinct op is paid cold). The collective is the
+is written into an `array` that a tensor views (`torch.frombuffer`), not made by
+`torch.tensor` (17 against 29 us as the first op after a backward, where the verdict runs
+and each distinct op is paid cold); each call makes its own, so no verdict can read a
+later step's row. The collective is the
 kind the step's reductions already ran, whose code is still warm: on a mesh whose shard
 axis is one rank (DDP, whose reductions are all-reduces) an all-reduce (a sum) of a
 rank-by-row table in which each rank filled its own row and left the others zero, which
@@ -19,7 +20,6 @@ rank is taken to be this one there, and what it issues is still what is timed.
 from __future__ import annotations
 
 import array
-import threading
 
 import torch
 from torch import Tensor
@@ -27,16 +27,6 @@ from torch.distributed import ProcessGroup
 
 from funcshard.comm import _collectives as collectives
 from funcshard.comm import _exchange as exchange
-
-
-class _Sent(threading.local):
-    """This thread's buffers for the rows it sends, by length (see `_sent`)."""
-
-    def __init__(self) -> None:
-        self.by_length: dict[int, tuple[array.array, Tensor]] = {}
-
-
-_SENT = _Sent()
 
 
 def every_rank(values: list[int], group: ProcessGroup, by_all_reduce: bool, what: str) -> Tensor:
@@ -56,19 +46,6 @@ def every_rank(values: list[int], group: ProcessGroup, by_all_reduce: bool, what
             table[mine * width : (mine + 1) * width] = array.array("q", values)
         every = torch.frombuffer(table, dtype=torch.int64)
         return collectives.all_reduce(every, group, "sum", inplace=True, what=what).wait()
-    every = collectives.all_gather(_sent(values), group, what=what).wait()
+    row = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    every = collectives.all_gather(row, group, what=what).wait()
     return torch.frombuffer(array.array("q", values * ranks), dtype=torch.int64) if fake else every
-
-
-def _sent(values: list[int]) -> Tensor:
-    """`values` as an int64 CPU tensor for a collective to send, written from Python into
-    this thread's buffer of their length, which the next row of that length reuses (no op:
-    see [Note: the verdict's exchange on the host]). Callers wait for the collective before
-    they return and keep nothing that views it."""
-    kept = _SENT.by_length.get(len(values))
-    if kept is None:
-        buffer = array.array("q", values)
-        kept = _SENT.by_length[len(values)] = (buffer, torch.frombuffer(buffer, dtype=torch.int64))
-    else:
-        kept[0][:] = array.array("q", values)
-    return kept[1]

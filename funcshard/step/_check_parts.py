@@ -76,7 +76,7 @@ class Parts:
     ranks: tuple[int, ...]
     cuts: tuple[tuple[int, int], ...]
     copies: tuple[tuple[int, ...] | None, ...]
-    trail_groups: tuple[str, ...] = ()
+    trail_groups: tuple[str, ...]
 
     def of(self, leaves: list[Tensor | None]) -> list[Tensor | None]:
         """The pieces of `leaves` this rank checks (None: none of it): see [Note: each copy

@@ -10,15 +10,17 @@ alike (raise everywhere, or skip everywhere).
 
 [Note: non-finite steps skipped by default]
 A NaN in one rank's batch reaches every rank through the reduction, and one optimizer step
-then writes it into every parameter on every rank. Nothing the user must remember to turn on
-protects against that, so `value_and_grad` (and `reduce`) check by default (`check_finite=
-"skip"`): each rank flags its loss and each of its reduced gradient leaves (after the
-reduction, so a sum that overflowed in a low-precision reduce dtype counts too), and one
-all-gather of those few integers, issued as soon as the gradients exist (the host reads its
-result only when an optimizer first asks), gives every rank every rank's flags: a `Verdict`, carried
-by the `ShardedGrads` record. Every funcshard `Optimizer` reads it before it computes
-anything: a non-finite step returns no updates and the optimizer state as it was, on every
-rank, with a `NonFiniteWarning` naming the ranks and the first non-finite leaf; after
+then writes it into every parameter on every rank. Nothing the user must remember to turn
+on protects against that, so `value_and_grad` (and `reduce`) check by default
+(`check_finite="skip"`): each rank flags its loss and each of its reduced gradient leaves
+(after the reduction, so a sum that overflowed in a low-precision reduce dtype counts too),
+and one all-gather of those few integers (on a CPU DDP mesh an all-reduce of every rank's
+row: see [Note: the verdict's exchange on the host] in funcshard/comm/_host_rows.py),
+issued as soon as the gradients exist (the host reads its result only when an optimizer
+first asks), gives every rank every rank's flags: a `Verdict`, carried by the
+`ShardedGrads` record. Every funcshard `Optimizer` reads it before it computes anything: a
+non-finite step returns no updates and the optimizer state as it was, on every rank, with a
+`NonFiniteWarning` naming the ranks and the first non-finite leaf; after
 `MAX_CONSECUTIVE_SKIPS` skips in a row it raises `NonFiniteError` instead (a run that only
 makes NaNs is broken, not unlucky). A loss that is not finite on a rank whose gradients are
 all finite is how an empty batch looks (a mean over no elements is NaN, its gradient zero):
@@ -28,18 +30,19 @@ Why an all-gather of its own rather than a trailer on the step's last reduction:
 reductions are issued by autograd's backward, one unit at a time, so the last one is known
 only after it has been issued, and a trailer element would change every gradient buffer's
 layout (a copy of each full gradient, or padding in every shard). The all-gather moves
-(leaves + 3) int64 per rank (the loss's flag and the collectives' trail besides), after the
-step's last reduction; its cost is in benchmarks/RESULTS.md. The flags cost one pass over
-the local gradient shards, and over a gradient all-reduced alike on k ranks (DDP's buckets,
-HSDP's shards across replicas, replicated parameters) each of them passes over its 1/k (see
-[Note: each copy checked once] in funcshard/step/_check_parts.py): on the overhead
-matrix's DDP cell (8 ranks) that took the check from 0.77 to 0.41 ms a step (2.7% to 1.6%). On
-the CPU one call asks whether any element of the leaves is NaN or inf, and only then is
-each leaf looked at (see [Note: one op asks whether anything is non-finite] in
-funcshard/step/_host_flags.py), and the rows are built and exchanged on the host by the
-kind of collective the step's reductions use (an all-reduce on DDP: see [Note: the
-verdict's exchange on the host] in funcshard/comm/_host_rows.py); on a GPU (and when
-traced) every element is looked at on the device, which spares a host sync.
+(leaves + 3) int64 per rank (the loss's flag and the collectives' trail besides; the CPU
+DDP all-reduce twice that), after the step's last reduction; its cost is in
+benchmarks/RESULTS.md. The flags cost one pass over the local gradient shards, and over a
+gradient all-reduced alike on k ranks (DDP's buckets, HSDP's shards across replicas,
+replicated parameters) each of them passes over its 1/k (see [Note: each copy checked once]
+in funcshard/step/_check_parts.py): on the overhead matrix's DDP cell (8 ranks) that took
+the check from 0.77 to 0.41 ms a step (2.7% to 1.6%). On the CPU one call asks whether any
+element of the leaves is NaN or inf, and only then is each leaf looked at (see [Note: one
+op asks whether anything is non-finite] in funcshard/step/_host_flags.py), and the rows are
+built and exchanged on the host by the kind of collective the step's reductions use (an
+all-reduce on DDP: see [Note: the verdict's exchange on the host] in
+funcshard/comm/_host_rows.py); on a GPU (and when traced) every element is looked at on the
+device, which spares a host sync.
 
 [Note: a compiled step's skip is a masked update]
 A step `fs.compile` traces cannot decide on the host without breaking its graph (and
@@ -139,7 +142,7 @@ def issue(
         flags = local_flags([None if loss is None else loss.detach(), *leaves], mesh.device)
         return _gathered(flags, grads, across_replicas, traced=True)
     cut = check_parts.parts(grads.layout, across_replicas, alike)
-    checked = [loss, *cut.of(leaves)]  # (read under no_grad: no detach needed)
+    checked = [loss, *cut.of(leaves)]  # (the loss is only read: no detach needed)
     # the collectives this rank issued since the last verdict: see [Note: the collectives'
     # trail] in funcshard/comm/_trail.py
     taken = trail.take(cut.trail_groups)
@@ -174,7 +177,7 @@ def _gathered(
     values: list[int] | None = None,
 ) -> Verdict:
     """The verdict on every rank's `flags`, gathered over the ranks that reduced `grads`
-    together (the shard axis alone without `across_replicas`). The all-gather is waited
+    together (the shard axis alone without `across_replicas`). The collective is waited
     for here: a collective left in flight when the gradients are dropped unread would leave
     the ranks' exchanges out of step (on CUDA this waits on a stream, not the host; the
     host reads the flags only when they are asked for). Traced, it is one collective in

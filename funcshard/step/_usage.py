@@ -20,7 +20,7 @@ nonetheless) counts as used whole: "unused" is said only when known.
 Agreed across ranks, because a parameter one rank used has a real gradient in the mean: a
 parameter is unused only if no rank used it. Each rank packs its unused set into a few int64
 words (62 parameters a word, in the layout's order) that ride the non-finite verdict's
-all-gather (see [Note: non-finite steps skipped by default] in funcshard/step/_finite.py):
+collective (see [Note: non-finite steps skipped by default] in funcshard/step/_finite.py):
 no collective of their own. With `check_finite="off"` the words go alone in one all-gather.
 Reading is lazy: an optimizer asks, and the words are ANDed across ranks then; a step that
 used everything has all-zero words and decodes nothing. `accumulate` keeps a parameter
@@ -189,11 +189,11 @@ class Usage:
         self._width = self._offset = 0
         self._parts: tuple[Usage, Usage] | None = None
         self._agreed: frozenset[str] | None = None
-        self._words: list[int] | None = None
+        self._words: tuple[int, ...] | None = None
 
-    def words(self) -> list[int]:
+    def words(self) -> tuple[int, ...]:
         if self._words is None:  # (asked when the verdict is issued and when it is read)
-            self._words = words_of(self.layout, self.local)
+            self._words = tuple(words_of(self.layout, self.local))
         return self._words
 
     def agree_by(self, read: Callable[[], list[int]], width: int, offset: int) -> None:

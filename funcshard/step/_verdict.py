@@ -1,5 +1,6 @@
 """A step's verdict: every rank's non-finite flags (and the unused parameters' words, and the
-collectives' trail) as one all-gather delivered them, read on the host only when asked
+collectives' trail) as one collective delivered them (an all-gather, or on a CPU DDP mesh an
+all-reduce of every rank's row), read on the host only when asked
 (see [Note: one decision for all ranks] in funcshard/step/_finite.py).
 """
 

@@ -3,6 +3,7 @@ with a warning naming it (or raised on every rank, with "raise"); finite steps a
 """
 
 import functools
+import threading
 import warnings
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 
 import funcshard as fs
 from funcshard import testing
+from funcshard.step import _host_flags as host_flags
 from funcshard.step._finite import MAX_CONSECUTIVE_SKIPS, local_flags
 
 MESHES = {
@@ -262,3 +264,33 @@ def test_tensors_the_one_call_check_refuses_are_summed_instead():
         inference = torch.tensor([float("nan"), 1.0])
     assert local_flags([torch.ones(4), overlapping, inference]).tolist() == [0, 1, 1]
     assert local_flags([torch.ones(4), torch.ones(2).expand(3, 2)]).tolist() == [0, 0]
+
+
+def test_the_one_call_check_works_in_a_new_thread_whatever_the_default_dtype():
+    # its flag and scale are made per thread; the scaler's check takes fp32 ones only
+    seen = {}
+
+    def check_here():
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [torch.ones(3)], host_flags._FOUND.flag, host_flags._FOUND.one
+        )  # raises on a float64 flag
+        seen["flags"] = local_flags([torch.ones(3), torch.tensor([1.0, float("nan")])]).tolist()
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        thread = threading.Thread(target=check_here)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert seen["flags"] == [0, 1]
+
+
+def test_a_loss_that_requires_grad_is_read_and_its_graph_left_alone():
+    w = torch.randn(4, requires_grad=True, generator=torch.Generator().manual_seed(3))
+    loss = (w * float("nan")).sum()
+    version = loss._version
+    assert local_flags([loss, torch.ones(2)]).tolist() == [1, 0]
+    assert loss._version == version and loss.requires_grad
+    loss.backward()  # the graph is still whole
+    assert w.grad is not None

@@ -107,9 +107,9 @@ def test_a_nan_in_the_piece_another_rank_checks_is_named_alike_on_every_rank(mes
 def test_pieces_cover_every_element_once():
     t = torch.arange(float(3 * check_parts.WHOLE + 7))
     for pieces in (2, 3, 8):
-        cut = check_parts.Parts(("x",), tuple(range(pieces)), ((pieces, 0),), (None,))
+        cut = check_parts.Parts(("x",), tuple(range(pieces)), ((pieces, 0),), (None,), ())
         got = [
-            check_parts.Parts(cut.names, cut.ranks, ((pieces, i),), cut.copies).of([t])[0]
+            check_parts.Parts(cut.names, cut.ranks, ((pieces, i),), cut.copies, ()).of([t])[0]
             for i in range(pieces)
         ]
         assert torch.equal(torch.cat(got), t)
@@ -122,7 +122,7 @@ def test_small_leaves_are_checked_whole_by_one_holder_in_turn():
     for holders in (2, 3):
         checked = [
             check_parts.Parts(
-                tuple("abcde"), tuple(range(holders)), ((holders, i),) * 5, (None,) * 5
+                tuple("abcde"), tuple(range(holders)), ((holders, i),) * 5, (None,) * 5, ()
             ).of(small)
             for i in range(holders)
         ]
