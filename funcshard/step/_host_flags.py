@@ -77,7 +77,7 @@ def _any_nonfinite(tensors: list[Tensor]) -> bool:
             if found.item():
                 found.zero_()
                 return True
-    if not rest:
-        return False
-    with torch.no_grad():  # (one context, not a detach per tensor; a 0-d loss needs no sum)
-        return not all(cmath.isfinite((t if t.dim() == 0 else t.sum()).item()) for t in rest)
+    if all(t.dim() == 0 for t in rest):  # (the usual rest: the loss, read as it is)
+        return not all(cmath.isfinite(t.item()) for t in rest)
+    with torch.no_grad():  # (one context, not a detach per tensor)
+        return not all(cmath.isfinite(t.sum().item()) for t in rest)
