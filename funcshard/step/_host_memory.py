@@ -42,7 +42,11 @@ process, made once and never undone: every framework in the process (a benchmark
 allocates under it from then on, and processes forked after it (DataLoader workers) inherit
 it. Other C libraries (musl, macOS's) are left as they are; under an allocator preloaded in
 glibc's place (jemalloc, tcmalloc) glibc's settings change nothing, though `kept()` says
-True.
+True. A block is not always reused by the next of its size: torch asks for 64-byte aligned
+blocks, and glibc's per-thread cache (tcache) may hold a small chunk carved from one's slack,
+so the block freed beside it cannot merge back to the size an aligned request needs (2 of 3
+runs of tests/scripts/host_memory_probe.py on 2026-12-07; none with
+GLIBC_TUNABLES=glibc.malloc.tcache_count=0, which only a process's start can set).
 """
 
 from __future__ import annotations

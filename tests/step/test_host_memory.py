@@ -27,9 +27,18 @@ def _probe(**env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# glibc's per-thread cache (tcache) can pin a small chunk carved from the slack of a 64-byte
+# aligned block, so that block no longer merges back and the next one of its size comes from
+# fresh pages: in 2 of 3 probes on 2026-12-07, on both the session's commits and the one
+# before (see [Note: host memory kept between steps]). With the cache off the reuse shows
+# every time; whether memory is kept at all does not depend on it.
+_NO_TCACHE = "glibc.malloc.tcache_count=0"
+
+
 @pytest.mark.skipif(host_memory._glibc_function("mallopt") is None, reason="glibc only")
 def test_after_a_cpu_step_a_freed_block_comes_back_without_page_faults():
-    result = _probe(**{host_memory.ENV: "1"})
+    tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), _NO_TCACHE]))
+    result = _probe(**{host_memory.ENV: "1", "GLIBC_TUNABLES": tunables})
     assert not result["kept_before"] and result["kept"], result
     assert result["before"] >= PAGES // 2, result  # glibc's default: a mapping of its own
     assert result["after"] <= PAGES // 100, result  # kept: the same pages again
