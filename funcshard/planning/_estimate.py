@@ -70,6 +70,7 @@ import torch
 from tabulate import tabulate
 from torch import Tensor, nn
 
+from funcshard.comm import _host_rows as host_rows
 from funcshard.comm._mesh import Mesh
 from funcshard.core._binding import bind
 from funcshard.core._layout import Layout, layout_of
@@ -318,8 +319,8 @@ def _checks(layout: Any, replicate: int, shard: int, device: str) -> int:
     [Note: the verdict's exchange on the host] in funcshard/comm/_host_rows.py)."""
     words = len(usage.words_of(layout, frozenset()))
     flags = len(layout.flats) + len(layout.replicated) + 3 + words
-    by_all_reduce = device == "cpu" and shard == 1
-    return flags * 8 * (replicate * shard - 1) * (2 if by_all_reduce else 1)
+    all_reduce = host_rows.by_all_reduce(device, shard)
+    return flags * 8 * (replicate * shard - 1) * (2 if all_reduce else 1)
 
 
 def _default_device() -> str:

@@ -190,7 +190,8 @@ def _gathered(
     group = mesh.group if across_replicas else mesh.shard_group
     ranks = list(cut.ranks) if cut is not None else process_groups.group_ranks(group)
     if values is not None:
-        every = host_rows.every_rank(values, group, by_all_reduce=mesh.shard == 1, what=_WHAT)
+        all_reduce = host_rows.by_all_reduce(mesh.device_type, mesh.shard)
+        every = host_rows.every_rank(values, group, by_all_reduce=all_reduce, what=_WHAT)
     else:
         assert flags is not None
         if mesh.device_type not in (None, "cpu"):

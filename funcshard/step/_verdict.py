@@ -60,9 +60,8 @@ class Verdict:
             starts = range(0, len(every), width)
             if self._trails:
                 trail.check(self.ranks, [every[i + width - 2 : i + width] for i in starts])
-                width -= 2
-            width -= self._words
-            self._rows = _shared([every[i : i + width] for i in starts], self.copies)
+            flags = self._flags_in(width)
+            self._rows = _shared([every[i : i + flags] for i in starts], self.copies)
         return self._rows
 
     def values(self) -> list[int]:
@@ -83,8 +82,12 @@ class Verdict:
         building the rows (this runs every step)."""
         every = self.values()
         width = len(every) // len(self.ranks)
-        flags = width - self._words - (2 if self._trails else 0)
-        return not any(every[:flags]) and every == every[:width] * len(self.ranks)
+        return not any(every[: self._flags_in(width)]) and every == every[:width] * len(self.ranks)
+
+    def _flags_in(self, width: int) -> int:
+        """How many of a rank's `width` ints are flags (the loss's, then one a leaf): the
+        words and the trail follow them."""
+        return width - self._words - (2 if self._trails else 0)
 
     def width(self) -> int:
         """Ints each rank sent."""
